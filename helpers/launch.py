@@ -1,0 +1,651 @@
+"""Launch real multi-process runs from a notebook cell, safely.
+
+Every rank is a process of the standard launcher (``torchrun`` or ``deepspeed``), started as a
+subprocess in its own session. The notebook kernel never forks, never spawns ranks itself and
+never initialises CUDA, so a crashed or hung run cannot poison the kernel.
+
+Example::
+
+    from helpers import launch
+    run = launch.torchrun("course/allreduce_check.py", nproc=2)
+    run.result            # merged ``Reporter.result`` records of the ranks
+    run.log(1)            # everything rank 1 printed
+
+On failure a :class:`LaunchError` names the failing rank and shows its traceback. Timeouts,
+stalls (no output and no metric for ``stall_timeout`` seconds), a crashed rank and a
+KeyboardInterrupt (the notebook's stop button) all end in the same place: the whole process tree
+is killed and nothing is left running.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import psutil
+
+from . import metrics as _metrics
+from .env import cpu_count, default_backend, default_nproc, gpu_count
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
+_run_counter = itertools.count()
+_SHOW_CHOICES = ("rank0", "all", "none")
+
+
+class LaunchError(Exception):
+    """A launched run failed, timed out, stalled or could not start.
+
+    Attributes: ``rank`` (the failing rank, or None when the whole run was stopped),
+    ``exitcode`` (that rank's exit code, or None), ``run_dir`` (where its logs are),
+    ``reason`` ("failed", "timeout", "stalled", "invalid").
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, exitcode: int | None = None,
+                 run_dir: Path | None = None, reason: str = "failed"):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.run_dir = run_dir
+        self.reason = reason
+
+
+@dataclass
+class Run:
+    """The outcome of one launch; everything is also on disk under ``run_dir``."""
+
+    run_dir: Path
+    returncode: int
+    duration_s: float
+    command: list[str]
+    nproc: int
+    backend: str
+    port: int
+    restarts: int = 0
+    _metrics: list[dict] | None = field(default=None, repr=False)
+
+    @property
+    def metrics(self) -> list[dict]:
+        """All records the ranks wrote with :class:`helpers.metrics.Reporter`."""
+        if self._metrics is None:
+            self._metrics = _metrics.read_metrics(self.run_dir)
+        return self._metrics
+
+    @property
+    def result(self) -> dict:
+        """The ranks' ``Reporter.result`` records merged (rank 0 wins on conflicts)."""
+        return _metrics.results(self.metrics)
+
+    def results_by_rank(self) -> dict[int, dict]:
+        out: dict[int, dict] = {}
+        for r in self.metrics:
+            if r.get("kind") == "result":
+                out.setdefault(r["rank"], {}).update({k: v for k, v in r.items() if k not in ("kind", "t", "rank")})
+        return dict(sorted(out.items()))
+
+    def log(self, rank: int | str = 0) -> str:
+        """Everything one rank printed (``rank="launcher"`` for the launcher's own output)."""
+        path = self.run_dir / (f"rank{rank}.log" if rank != "launcher" else "launcher.log")
+        return path.read_text() if path.exists() else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks, done before anything starts
+
+
+def runs_root() -> Path:
+    """Where run directories go: ``$HELPERS_RUNS_DIR`` or ``<project>/runs``."""
+    return Path(os.environ.get("HELPERS_RUNS_DIR", PROJECT_ROOT / "runs"))
+
+
+def _resolve_script(script) -> Path:
+    if not isinstance(script, (str, os.PathLike)):
+        raise LaunchError(f"script must be a path, got {type(script).__name__}", reason="invalid")
+    path = Path(script)
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    tried = ", ".join(str(c) for c in candidates)
+    raise LaunchError(f"script not found: {script} (looked at {tried}). Paths are relative to the "
+                      f"current directory or the course root {PROJECT_ROOT}.", reason="invalid")
+
+
+def _check_nproc(nproc) -> int:
+    if nproc is None:
+        return default_nproc()
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise LaunchError(f"nproc must be a whole number of processes, got {nproc!r} "
+                          f"({type(nproc).__name__})", reason="invalid")
+    if nproc < 1:
+        raise LaunchError(f"nproc must be at least 1, got {nproc}", reason="invalid")
+    gpus = gpu_count()
+    if gpus and nproc > gpus:
+        raise LaunchError(f"nproc={nproc} but this machine has {gpus} GPU(s): one rank per GPU. "
+                          f"Use nproc<={gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES='') to run "
+                          f"{nproc} CPU ranks with gloo.", reason="invalid")
+    if not gpus and nproc > 8 * cpu_count():
+        raise LaunchError(f"nproc={nproc} CPU ranks on {cpu_count()} cores would thrash; "
+                          f"use at most {8 * cpu_count()}.", reason="invalid")
+    return nproc
+
+
+def _check_args(args) -> list[str]:
+    if isinstance(args, (str, bytes)):
+        raise LaunchError(f"args must be a list such as ['--epochs', '1'], not one string {args!r} "
+                          f"(use shlex.split if you have a command line)", reason="invalid")
+    if isinstance(args, Mapping):
+        raise LaunchError("args must be a list of strings; turn a dict into ['--key', 'value', ...]",
+                          reason="invalid")
+    try:
+        items = list(args)
+    except TypeError:
+        raise LaunchError(f"args must be a list of strings, got {type(args).__name__}", reason="invalid") from None
+    out = []
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, (str, int, float, os.PathLike)):
+            raise LaunchError(f"each argument must be a string, number or path; got {a!r} "
+                              f"({type(a).__name__})", reason="invalid")
+        out.append(os.fspath(a) if isinstance(a, os.PathLike) else str(a))
+    return out
+
+
+def _check_env(env) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise LaunchError(f"env must be a dict of strings, got {type(env).__name__}", reason="invalid")
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _check_timeouts(timeout, stall_timeout) -> None:
+    for label, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise LaunchError(f"{label} must be a positive number of seconds or None, got {value!r}",
+                              reason="invalid")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it), so a busy 29500 never matters."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _new_run_dir(name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = runs_root() / name / f"{stamp}-{os.getpid()}-{next(_run_counter)}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def rank_env(nproc: int, run_dir: Path, extra: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """The environment every rank inherits: backend, accelerator, threads, run dir."""
+    backend = default_backend()
+    env = dict(os.environ)
+    env.update({
+        _metrics.RUN_DIR_ENV: str(run_dir),
+        "PYTHONUNBUFFERED": "1",
+        "HELPERS_BACKEND": backend,
+        # ranks share the cores: without this each rank starts one OpenMP thread per core
+        "OMP_NUM_THREADS": str(max(1, cpu_count() // nproc)),
+    })
+    if backend != "nccl":
+        env["DS_ACCELERATOR"] = "cpu"
+    env.update(extra)
+    return env, backend
+
+
+# ---------------------------------------------------------------------------------------------
+# the process tree
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        parent = psutil.Process(pid)
+        return [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(procs: Iterable[psutil.Process], grace: float = 3.0) -> None:
+    """SIGTERM every process, SIGKILL what is still alive after ``grace`` seconds."""
+    procs = [p for p in procs]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch itself
+
+
+class _Session:
+    """One running launcher: reads its output, tails logs and metrics, enforces limits."""
+
+    def __init__(self, cmd, env, run_dir: Path, nproc: int, show: str, rank_log_dir: Path | None):
+        self.run_dir = run_dir
+        self.nproc = nproc
+        self.show = show
+        self.rank_log_dir = rank_log_dir  # deepspeed: ranks write their own files here
+        self.rank_files = {r: open(run_dir / f"rank{r}.log", "a") for r in range(nproc)}
+        self.launcher_log = open(run_dir / "launcher.log", "a")
+        self.tails: dict[int, list[str]] = {r: [] for r in range(nproc)}
+        self.first_traceback: dict[int, float] = {}
+        self.launcher_tail: list[str] = []
+        self.lines: queue.Queue = queue.Queue()
+        self.metrics_offset = 0
+        self.metrics_partial = b""
+        self.progress = None
+        self.total_steps = None
+        self.known: dict[int, psutil.Process] = {}
+        self.restarts = 0
+        self.start = time.monotonic()
+        self.last_activity = self.start
+        self.proc = subprocess.Popen(cmd, env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self._read_pipe, daemon=True)
+        self.reader.start()
+        self.file_offsets: dict[Path, int] = {}
+        self.file_partial: dict[Path, str] = {}
+
+    # -- input
+    def _read_pipe(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            self.lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+        self.lines.put(None)
+
+    def _rank_line(self, rank: int, text: str) -> None:
+        if rank not in self.rank_files:  # an elastic restart can bring new ranks
+            self.rank_files[rank] = open(self.run_dir / f"rank{rank}.log", "a")
+            self.tails[rank] = []
+        self.rank_files[rank].write(text + "\n")
+        tail = self.tails[rank]
+        tail.append(text)
+        del tail[:-40]
+        if "Traceback (most recent call last)" in text:
+            self.first_traceback.setdefault(rank, time.monotonic())
+        if self.show == "all" or (self.show == "rank0" and rank == 0):
+            self._print(f"[rank{rank}] {text}")
+
+    def _launcher_line(self, text: str) -> None:
+        self.launcher_log.write(text + "\n")
+        self.launcher_tail.append(text)
+        del self.launcher_tail[:-80]
+        if "Restarting worker group" in text or "restarting" in text.lower() and "worker" in text.lower():
+            self.restarts += 1
+            if self.show != "none":
+                self._print(f"[launcher] {text.strip()}")
+        if self.show == "all":
+            self._print(f"[launcher] {text}")
+
+    def _print(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def _drain_pipe(self, wait: float) -> bool:
+        """Handle queued launcher lines; False once the pipe is closed."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return True
+            if line is None:
+                return False
+            self.last_activity = time.monotonic()
+            m = RANK_PREFIX.match(line)
+            if m:
+                self._rank_line(int(m.group(1)), m.group(2))
+            else:
+                self._launcher_line(line)
+
+    def _tail_rank_files(self) -> None:
+        """deepspeed's launcher writes ``<stamp>_rank<k>.log`` files; follow them."""
+        if self.rank_log_dir is None or not self.rank_log_dir.exists():
+            return
+        for path in self.rank_log_dir.glob("*_rank*.log"):
+            m = re.search(r"_rank(\d+)\.log$", path.name)
+            if not m:
+                continue
+            offset = self.file_offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            if not chunk:
+                continue
+            self.file_offsets[path] = offset + len(chunk)
+            text = self.file_partial.get(path, "") + chunk.decode("utf-8", "replace")
+            *complete, rest = text.split("\n")
+            self.file_partial[path] = rest
+            self.last_activity = time.monotonic()
+            for line in complete:
+                self._rank_line(int(m.group(1)), line)
+
+    def _read_metrics(self) -> None:
+        path = self.run_dir / _metrics.METRICS_FILE
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size <= self.metrics_offset:
+            return
+        with open(path, "rb") as f:
+            f.seek(self.metrics_offset)
+            chunk = f.read()
+        self.metrics_offset += len(chunk)
+        self.last_activity = time.monotonic()
+        data = self.metrics_partial + chunk
+        *complete, self.metrics_partial = data.split(b"\n")
+        for line in complete:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self._on_metric(rec)
+
+    def _on_metric(self, rec: dict) -> None:
+        if rec.get("rank") != 0 or self.show == "none":
+            return
+        if rec.get("kind") == "total":
+            self.total_steps = rec.get("steps")
+            self._open_progress()
+        elif rec.get("kind") == "step" and self.progress is not None:
+            done = min(rec.get("step", 0) + 1, self.total_steps or 0)
+            if done > self.progress.n:
+                self.progress.update(done - self.progress.n)
+            if "loss" in rec:
+                self.progress.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
+
+    def _open_progress(self) -> None:
+        if self.progress is not None or not self.total_steps:
+            return
+        try:
+            from tqdm.auto import tqdm
+            self.progress = tqdm(total=self.total_steps, desc="rank 0 steps", unit="step",
+                                 leave=True, mininterval=0.5)
+        except Exception:  # pragma: no cover - progress is a nicety
+            self.progress = None
+
+    def _remember_processes(self) -> None:
+        for p in _descendants(self.proc.pid):
+            self.known.setdefault(p.pid, p)
+
+    # -- control
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def kill(self) -> None:
+        self._remember_processes()
+        kill_tree(list(self.known.values()))
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        for f in self.rank_files.values():
+            f.close()
+        self.launcher_log.close()
+
+
+def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show) -> Run:
+    script_path = _resolve_script(script)
+    nproc = _check_nproc(nproc)
+    arg_list = _check_args(args)
+    extra_env = _check_env(env)
+    _check_timeouts(timeout, stall_timeout)
+    if show not in _SHOW_CHOICES:
+        raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
+
+    run_dir = _new_run_dir(name or script_path.stem)
+    rank_env_, backend = rank_env(nproc, run_dir, extra_env)
+    port = free_port()
+    cmd, rank_log_dir = cmd_for(script_path, nproc, arg_list, port, run_dir)
+    record = {"kind": kind, "script": str(script_path), "args": arg_list, "nproc": nproc, "backend": backend,
+              "port": port, "command": cmd, "omp_num_threads": rank_env_["OMP_NUM_THREADS"],
+              "ds_accelerator": rank_env_.get("DS_ACCELERATOR"), "python": sys.executable,
+              "gpus": gpu_count(), "cpus": cpu_count(), "started": time.time()}
+    (run_dir / "env.json").write_text(json.dumps(record, indent=2))
+
+    session = _Session(cmd, rank_env_, run_dir, nproc, show, rank_log_dir)
+    status, error = "running", None
+    try:
+        open_ = True
+        tick = 0
+        while True:
+            open_ = session._drain_pipe(0.05) if open_ else (time.sleep(0.05) or False)
+            session._tail_rank_files()
+            session._read_metrics()
+            if tick % 10 == 0:
+                session._remember_processes()
+            tick += 1
+            if session.proc.poll() is not None and not open_:
+                break
+            if timeout is not None and session.elapsed() > timeout:
+                status = "timeout"
+                break
+            if stall_timeout is not None and time.monotonic() - session.last_activity > stall_timeout:
+                status = "stalled"
+                break
+        if status != "running":
+            session.kill()
+        else:
+            session._tail_rank_files()
+            session._read_metrics()
+            status = "ok" if session.proc.returncode == 0 else "failed"
+            if status == "failed":
+                session.kill()  # a launcher that died oddly may leave ranks behind
+    except KeyboardInterrupt:
+        status = "interrupted"
+        session.kill()
+        raise
+    except BaseException:
+        status = "error"
+        session.kill()
+        raise
+    finally:
+        duration = session.elapsed()
+        session.close()
+        if status != "ok" and status != "running":
+            error = _error_for(status, session, script_path, timeout, stall_timeout)
+        returncode = session.proc.returncode if session.proc.returncode is not None else -1
+        outcome = {"status": status, "returncode": returncode, "duration_s": round(duration, 3),
+                   "restarts": session.restarts, "result": _metrics.results(_metrics.read_metrics(run_dir))}
+        if error is not None:
+            outcome.update({"failed_rank": error.rank, "exitcode": error.exitcode, "error": str(error)})
+        (run_dir / "result.json").write_text(json.dumps(outcome, indent=2, default=str))
+    if error is not None:
+        raise error
+    return Run(run_dir=run_dir, returncode=returncode, duration_s=duration, command=cmd, nproc=nproc,
+               backend=backend, port=port, restarts=session.restarts)
+
+
+# Errors a rank raises only because a peer died first; never the root cause when another rank has one.
+_SECONDARY = re.compile(r"Connection (reset|closed) by peer|remote process exited|DistBackendError|"
+                        r"Socket Timeout|Broken pipe|SIGTERM|Signal 15|NCCL communicator was aborted", re.I)
+
+
+def _error_files(run_dir: Path) -> list[tuple[bool, int, int, dict]]:
+    """torchelastic error files, root causes first: primary errors before peer-loss errors, then by write time.
+
+    The files' own timestamps have one-second resolution (a crash and the peer's reaction share it), so the
+    file's modification time in nanoseconds orders them."""
+    found = []
+    for path in run_dir.glob("elastic/*/attempt_*/*/error.json"):
+        try:
+            data = json.loads(path.read_text())
+            msg = data.get("message", {})
+            text = msg.get("message", "") if isinstance(msg, dict) else str(msg)
+            found.append((bool(_SECONDARY.search(text)), path.stat().st_mtime_ns, int(path.parent.name), data))
+        except (ValueError, OSError):
+            continue
+    return sorted(found, key=lambda f: (f[0], f[1]))
+
+
+def _failing_rank(session: _Session) -> tuple[int | None, int | None, str | None]:
+    """(rank, exitcode, traceback) of the rank that failed first, not of the peers that died with it.
+
+    Evidence, strongest first: a torchelastic error file with a primary error; a rank in torchrun's failure
+    summary that exited on its own (not by the agent's SIGTERM/SIGKILL); the first rank whose output
+    showed a traceback; then whatever is left."""
+    launcher_text = "\n".join(session.launcher_tail)
+    # torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : 1 (pid: ...)"
+    exitcodes = {int(r): int(c) for r, c in
+                 re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", launcher_text)}
+    errors = _error_files(session.run_dir)
+
+    def victim(rank: int) -> bool:
+        return bool(_SECONDARY.search("\n".join(session.tails.get(rank, []))))
+
+    def from_file(entry):
+        _, _, rank, data = entry
+        msg = data.get("message", {})
+        tb = msg.get("extraInfo", {}).get("py_callstack") if isinstance(msg, dict) else None
+        return rank, exitcodes.get(rank, 1), tb or (msg.get("message") if isinstance(msg, dict) else str(msg))
+
+    if errors and not errors[0][0]:
+        return from_file(errors[0])
+    self_exited = [r for r, c in exitcodes.items() if c not in (-signal.SIGTERM, -signal.SIGKILL)]
+    if self_exited:
+        rank = min(self_exited, key=lambda r: (victim(r), session.first_traceback.get(r, float("inf"))))
+        return rank, exitcodes[rank], None
+    if session.first_traceback:
+        rank = min(session.first_traceback, key=lambda r: (victim(r), session.first_traceback[r]))
+        return rank, exitcodes.get(rank), None
+    if errors:
+        return from_file(errors[0])
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", launcher_text, re.S)
+    if root:
+        rank = int(root.group(1))
+        return rank, exitcodes.get(rank), None
+    return None, None, None
+
+
+def _tails_text(session: _Session, lines: int = 8) -> str:
+    parts = []
+    for rank, tail in sorted(session.tails.items()):
+        body = "\n".join("    " + t for t in tail[-lines:]) or "    (no output)"
+        parts.append(f"  rank {rank}:\n{body}")
+    return "\n".join(parts)
+
+
+def _error_for(status, session: _Session, script: Path, timeout, stall_timeout) -> LaunchError:
+    where = f"run dir: {session.run_dir}"
+    if status == "timeout":
+        return LaunchError(f"{script.name} exceeded timeout={timeout}s; killed every rank.\n"
+                           f"Last output of each rank:\n{_tails_text(session)}\n{where}",
+                           run_dir=session.run_dir, reason="timeout")
+    if status == "stalled":
+        return LaunchError(f"{script.name} stalled: no output or metric for {stall_timeout}s (a rank waiting in a "
+                           f"collective the others never reach is the usual cause); killed every rank.\n"
+                           f"Last output of each rank:\n{_tails_text(session)}\n{where}",
+                           run_dir=session.run_dir, reason="stalled")
+    if status in ("interrupted", "error"):
+        return LaunchError(f"{script.name} was {status}; killed every rank. {where}", run_dir=session.run_dir,
+                           reason=status)
+    rank, exitcode, tb = _failing_rank(session)
+    if exitcode is None:
+        exitcode = session.proc.returncode
+    if tb is None and rank is not None:
+        tb = "\n".join(session.tails.get(rank, [])[-25:])
+    if tb is None:
+        tb = "\n".join(session.launcher_tail[-25:])
+    who = f"rank {rank}" if rank is not None else "the launcher"
+    return LaunchError(f"{who} failed (exit code {exitcode}) running {script.name}.\n"
+                       f"--- traceback of {who} ---\n{tb.rstrip()}\n"
+                       f"--- last output of every rank ---\n{_tails_text(session)}\n{where}",
+                       rank=rank, exitcode=exitcode, run_dir=session.run_dir, reason="failed")
+
+
+def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeout=None, name=None,
+             show="rank0", max_restarts: int = 0) -> Run:
+    """Run ``script`` on ``nproc`` ranks with ``torchrun`` and wait for it.
+
+    ``show``: "rank0" streams rank 0's lines, "all" every rank's (and the launcher's), "none" nothing.
+    ``max_restarts``: torchrun's elastic restarts (``--max-restarts``) after a rank fails.
+
+    Example::
+
+        run = torchrun("course/ddp_cifar10.py", nproc=2, args=["--epochs", "1"], stall_timeout=60)
+    """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(f"max_restarts must be a whole number >= 0, got {max_restarts!r}", reason="invalid")
+
+    def cmd_for(script_path, nproc_, arg_list, port, run_dir):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", str(max_restarts),
+               "--monitor-interval", "0.1", "--tee", "3", "--log-dir", str(run_dir / "elastic"),
+               "--log-line-prefix-template", "[rank${rank}]:", str(script_path), *arg_list]
+        return cmd, None
+
+    return _launch("torchrun", cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show)
+
+
+def deepspeed(script, nproc=None, args=(), *, config=None, env=None, timeout=None, stall_timeout=None,
+              name=None, show="rank0") -> Run:
+    """Run ``script`` with DeepSpeed's own launcher (``deepspeed --num_gpus N``).
+
+    ``config`` is a path to a ds_config JSON file or a dict; either way the script receives
+    ``--deepspeed_config <file>`` (a dict is written into the run directory first).
+
+    Example::
+
+        run = deepspeed("course/ds_cifar10.py", nproc=2, config={"train_batch_size": 64, ...})
+    """
+    config_path = None
+    if config is not None:
+        if isinstance(config, Mapping):
+            config_path = dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            config_path = Path(config)
+            if not config_path.is_absolute() and not config_path.exists():
+                config_path = PROJECT_ROOT / config_path
+            if not config_path.is_file():
+                raise LaunchError(f"DeepSpeed config not found: {config}", reason="invalid")
+        else:
+            raise LaunchError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}",
+                              reason="invalid")
+
+    def cmd_for(script_path, nproc_, arg_list, port, run_dir):
+        cfg_args = []
+        if isinstance(config_path, dict):
+            cfg_file = run_dir / "ds_config.json"
+            cfg_file.write_text(json.dumps(config_path, indent=2))
+            cfg_args = ["--deepspeed_config", str(cfg_file)]
+        elif config_path is not None:
+            cfg_args = ["--deepspeed_config", str(config_path.resolve())]
+        log_dir = run_dir / "ds_logs"
+        cmd = [sys.executable, "-c", "from deepspeed.launcher.runner import main; main()",
+               "--num_gpus", str(nproc_), "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "--enable_each_rank_log", str(log_dir), str(script_path), *arg_list, *cfg_args]
+        return cmd, log_dir
+
+    return _launch("deepspeed", cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show)
