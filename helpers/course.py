@@ -1,0 +1,203 @@
+"""Execute the course's notebooks with papermill: the course run, instructors' regeneration, one notebook.
+
+The list of notebooks, their timeouts and per-profile parameters live in ``course/syllabus.yml``.
+Notebooks always run on the course's own kernel (registered by ``make`` into ``.venv``), with the
+notebook directory as working directory, so a machine-wide ``python3`` kernel is never used.
+
+Example::
+
+    python -m helpers course                # all notebooks -> build/notebooks/, summary table
+    python -m helpers run 00 -p PROFILE full   # one notebook with an overridden parameter
+    python -m helpers regen                 # in place, volatile metadata stripped (instructors)
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+SYLLABUS = ROOT / "course" / "syllabus.yml"
+BUILD = ROOT / "build"
+
+
+@dataclass
+class Chapter:
+    id: str
+    file: str
+    title: str
+    timeout_s: int
+    min_devices: int
+    parameters: dict
+
+    @property
+    def path(self) -> Path:
+        return NOTEBOOKS / self.file
+
+
+def syllabus(path: Path = SYLLABUS) -> tuple[dict, list[Chapter]]:
+    """(settings, chapters) from the syllabus file."""
+    data = yaml.safe_load(path.read_text())
+    chapters = [Chapter(id=str(c["id"]), file=c["file"], title=c["title"], timeout_s=int(c["timeout_s"]),
+                        min_devices=int(c.get("min_devices", 1)), parameters=c.get("parameters", {}))
+                for c in data["notebooks"]]
+    settings = {k: v for k, v in data.items() if k != "notebooks"}
+    return settings, chapters
+
+
+def select(chapters: list[Chapter], wanted: list[str] | None) -> list[Chapter]:
+    if not wanted:
+        return chapters
+    picked = [c for c in chapters if c.id in wanted or c.file in wanted or Path(c.file).stem in wanted]
+    unknown = set(wanted) - {c.id for c in picked} - {c.file for c in picked} - {Path(c.file).stem for c in picked}
+    if unknown:
+        ids = ", ".join(c.id for c in chapters)
+        raise SystemExit(f"unknown notebook(s) {sorted(unknown)}; the syllabus has: {ids}")
+    return picked
+
+
+def strip_volatile(nb_path: Path) -> None:
+    """Remove what changes on every run without meaning anything (papermill timings, execution stamps) and the
+    cell papermill injected with this run's parameters."""
+    nb = json.loads(nb_path.read_text())
+    nb.get("metadata", {}).pop("papermill", None)
+    # the committed notebook keeps its own defaults ("auto" resolves on the reader's machine), not the
+    # values this machine's profile injected
+    nb["cells"] = [c for c in nb.get("cells", []) if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+    for cell in nb.get("cells", []):
+        md = cell.get("metadata", {})
+        md.pop("papermill", None)
+        md.pop("execution", None)
+        tags = md.get("tags")
+        if tags == []:
+            md.pop("tags")
+    nb_path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+
+
+def environment_record(profile: str) -> dict:
+    """What produced an executed notebook: key package versions, device, profile."""
+    from importlib import metadata
+
+    from . import env
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "profile": profile,
+        "gpus": env.gpu_count(),
+        "cpus": env.cpu_count(),
+        "backend": env.default_backend(),
+        "packages": {p: version(p) for p in ("torch", "torchvision", "deepspeed", "papermill", "nbval",
+                                             "ipykernel", "jupyterlab", "numpy", "matplotlib")},
+    }
+
+
+def execute(chapter: Chapter, output: Path, profile: str, overrides: dict, kernel: str, cell_timeout: int) -> None:
+    import papermill as pm
+
+    params = dict(chapter.parameters.get(profile, {}))
+    params.update(overrides)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    pm.execute_notebook(str(chapter.path), str(output), parameters=params, kernel_name=kernel,
+                        cwd=str(NOTEBOOKS), execution_timeout=cell_timeout, progress_bar=False,
+                        log_output=False, request_save_on_cell_execute=False)
+
+
+def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overrides: dict) -> list[dict]:
+    settings, _ = syllabus()
+    kernel = settings.get("kernel", "dtfz")
+    cell_timeout = int(settings.get("cell_timeout_s", 600))
+    rows = []
+    for ch in chapters:
+        out = ch.path if in_place else BUILD / "notebooks" / ch.file
+        print(f"==> {ch.id} {ch.file} ({ch.title})", flush=True)
+        start = time.monotonic()
+        status, error = "ok", ""
+        try:
+            execute(ch, out, profile, overrides, kernel, cell_timeout)
+        except Exception as exc:  # papermill raises PapermillExecutionError with the failing cell
+            status, error = "FAILED", str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+        seconds = time.monotonic() - start
+        if status == "ok" and seconds > ch.timeout_s:
+            status = "SLOW"
+            error = f"took {seconds:.0f}s, syllabus allows {ch.timeout_s}s"
+        if in_place and out.exists():
+            strip_volatile(out)
+        record = environment_record(profile)
+        record.update({"notebook": ch.file, "status": status, "seconds": round(seconds, 1)})
+        record_path = out.with_suffix(".env.json")
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+        rows.append({"id": ch.id, "notebook": ch.file, "status": status, "seconds": seconds, "error": error,
+                     "output": str(out)})
+    return rows
+
+
+def summary_table(rows: list[dict]) -> str:
+    width = max([len(r["notebook"]) for r in rows] + [8])
+    lines = [f"{'notebook':<{width}}  {'status':<7}  {'seconds':>8}", "-" * (width + 19)]
+    for r in rows:
+        lines.append(f"{r['notebook']:<{width}}  {r['status']:<7}  {r['seconds']:>8.1f}")
+        if r["error"]:
+            lines.append(f"    {r['error']}")
+    return "\n".join(lines)
+
+
+def parse_overrides(pairs: list[list[str]] | None) -> dict:
+    """``-p NAME VALUE`` pairs; values are parsed as YAML so numbers and booleans keep their type."""
+    out = {}
+    for name, value in pairs or []:
+        out[name] = yaml.safe_load(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m helpers", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("course", "execute every notebook into build/notebooks and print a summary"),
+                           ("regen", "re-execute notebooks in place (instructors), stripping volatile metadata"),
+                           ("run", "execute chosen notebooks into build/notebooks")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("notebooks", nargs="*", help="ids (00), file names or stems; default: all")
+        p.add_argument("--profile", default="auto", help="auto (smoke on CPU, full on GPUs), smoke or full")
+        p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                       help="override a notebook parameter, e.g. -p nproc 4")
+    sub.add_parser("env", help="print the environment report as JSON")
+    args = parser.parse_args(argv)
+
+    if args.command == "env":
+        from . import env
+        print(json.dumps(env.report(), indent=2, default=str))
+        return 0
+
+    from . import env
+    profile = env.profile(args.profile)
+    _, chapters = syllabus()
+    chosen = select(chapters, args.notebooks)
+    if args.command == "run" and not args.notebooks:
+        parser.error("run needs at least one notebook id, e.g. `python -m helpers run 00`")
+    rows = run_chapters(chosen, in_place=args.command == "regen", profile=profile,
+                        overrides=parse_overrides(args.parameter))
+    print()
+    print(f"profile: {profile}")
+    print(summary_table(rows))
+    if args.command != "regen":
+        (BUILD / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

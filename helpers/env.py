@@ -1,0 +1,390 @@
+"""What this machine can do for distributed training, and a verdict a learner can act on.
+
+The notebook kernel must never initialise CUDA (see DESIGN.md: every rank is a subprocess), so
+this module only *counts* GPUs in-process (``torch.cuda.device_count()`` asks NVML and leaves
+CUDA uninitialised). Everything that needs a CUDA context -- device names, memory, cuDNN and
+NCCL versions -- comes from a short subprocess, ``python -m helpers.env --probe``, that prints
+JSON. ``ds_report`` and the ``torch.compile`` smoke test run in subprocesses too.
+
+Example (``python -m helpers.env`` prints the report as JSON)::
+
+    run = launch.torchrun("course/allreduce_check.py")
+    print(env.verdict_table(env.verdict(env.report(allreduce=run.result))))
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+PROFILES = ("auto", "smoke", "full")
+PROFILE_ENV = "COURSE_PROFILE"
+_ROOT = Path(__file__).resolve().parent.parent   # the directory that holds the helpers package
+_GIB = 1024 ** 3
+
+
+# --- counting, without touching CUDA ---------------------------------------------------------
+def gpu_count() -> int:
+    """CUDA devices this process may use (honours CUDA_VISIBLE_DEVICES); 0 without a CUDA build."""
+    import torch
+    return torch.cuda.device_count()
+
+
+def default_backend() -> str:
+    """``"nccl"`` when GPUs are visible and the build has NCCL, else ``"gloo"``."""
+    import torch.distributed as dist
+    return "nccl" if gpu_count() > 0 and dist.is_nccl_available() else "gloo"
+
+
+def default_nproc() -> int:
+    """One rank per GPU; 2 ranks on CPU (the smallest world where communication happens)."""
+    return gpu_count() or 2
+
+
+def cpu_count() -> int:
+    """CPU cores this process may run on: the affinity mask, capped by a cgroup v2 quota if set."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:  # docker --cpus=N sets a quota but leaves the affinity mask at every core
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def profile(requested: str = "auto") -> str:
+    """Resolve a notebook's profile: ``"smoke"`` (quick, CPU) or ``"full"`` (the real lesson, GPUs).
+
+    An explicit ``"smoke"``/``"full"`` wins; ``"auto"`` takes ``$COURSE_PROFILE`` if set, else
+    ``"full"`` when GPUs are visible and ``"smoke"`` otherwise.
+
+    >>> profile("smoke")
+    'smoke'
+    """
+    def check(value: str, source: str) -> str:
+        value = str(value).strip().lower()
+        if value not in PROFILES:
+            raise ValueError(f"{source}={value!r} is not a profile; use one of {', '.join(PROFILES)}")
+        return value
+
+    resolved = check(requested, "profile")
+    if resolved == "auto" and os.environ.get(PROFILE_ENV, "").strip():
+        resolved = check(os.environ[PROFILE_ENV], PROFILE_ENV)
+    if resolved == "auto":
+        resolved = "full" if gpu_count() > 0 else "smoke"
+    return resolved
+
+
+# --- the CUDA probe (runs in a subprocess) ----------------------------------------------------
+def _probe_here() -> dict:
+    """Runs inside ``python -m helpers.env --probe``: free to initialise CUDA, then exits."""
+    import torch
+    out: dict = {"device_count": torch.cuda.device_count(), "devices": [], "cudnn": None, "nccl": None, "error": None}
+    if out["device_count"] == 0:
+        return out
+    try:
+        for i in range(out["device_count"]):
+            p = torch.cuda.get_device_properties(i)
+            out["devices"].append({"index": i, "name": p.name, "memory_total_gib": round(p.total_memory / _GIB, 2),
+                                   "capability": f"{p.major}.{p.minor}"})
+        out["bf16"] = torch.cuda.is_bf16_supported()
+        out["cudnn"] = torch.backends.cudnn.version()
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except Exception as exc:  # a broken driver is exactly what the report is for
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> dict:
+    """The probe's JSON; without GPUs there is nothing to ask CUDA, so no subprocess."""
+    if gpu_count() == 0:
+        return {"device_count": 0, "devices": [], "cudnn": None, "nccl": None, "error": None}
+    pythonpath = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "helpers.env", "--probe"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": pythonpath})
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        error = "no answer within 120 s"
+    except (json.JSONDecodeError, IndexError):
+        error = proc.stderr.strip()[-500:] or f"exit code {proc.returncode}"
+    return {"device_count": gpu_count(), "devices": [], "cudnn": None, "nccl": None,
+            "error": f"CUDA probe failed: {error}"}
+
+
+@functools.lru_cache(maxsize=1)
+def nvidia_smi() -> list[dict]:
+    """GPUs as the driver sees them (ignores CUDA_VISIBLE_DEVICES); [] where nvidia-smi is absent."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,name,memory.total,driver_version",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [[p.strip() for p in line.split(",")] for line in out.strip().splitlines()]
+    return [{"index": int(i), "name": name, "memory_total_gib": round(float(mib) / 1024, 2) if mib.isdigit() else None,
+             "driver_version": driver} for i, name, mib, driver in (r for r in rows if len(r) == 4 and r[0].isdigit())]
+
+
+# --- the report -----------------------------------------------------------------------------
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    """Versions that matter for a bug report; CUDA-side ones are None on a CPU-only machine."""
+    import torch
+    probe = _probe()
+    return {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "cudnn": probe.get("cudnn"), "nccl": probe.get("nccl"), "deepspeed": _dist_version("deepspeed"),
+            "torchvision": _dist_version("torchvision"), "platform": platform.platform()}
+
+
+def _cpu_model() -> str:
+    try:
+        m = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        m = None
+    return m[1].strip() if m else (platform.processor() or platform.machine())
+
+
+def devices() -> list[dict]:
+    """One dict per GPU (index, name, memory_total_gib, ...); on CPU one dict describing the CPU."""
+    gpus, smi = _probe()["devices"], nvidia_smi()
+    if gpus:
+        return [{"kind": "cuda", **g, "driver_version": smi[0]["driver_version"] if smi else None} for g in gpus]
+    if gpu_count() > 0 and smi:   # the probe failed but the driver answers
+        return [{"kind": "cuda", **g} for g in smi]
+    import psutil
+    return [{"kind": "cpu", "index": 0, "name": _cpu_model(), "cores": cpu_count(),
+             "memory_total_gib": round(psutil.virtual_memory().total / _GIB, 2)}]
+
+
+def backends() -> dict:
+    """Which process-group backends this torch build has, and whether NCCL is usable (needs GPUs)."""
+    import torch.distributed as dist
+    nccl = dist.is_available() and dist.is_nccl_available()
+    return {"nccl": nccl, "gloo": dist.is_available() and dist.is_gloo_available(),
+            "mpi": dist.is_available() and dist.is_mpi_available(), "nccl_usable": nccl and gpu_count() > 0}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_OP_LINE = re.compile(r"^(\w+)\s+\.*\s*\[(YES|NO)\]\s*\.*\s*\[(OKAY|NO|FAIL)\]\s*$")
+_INFO_LINE = re.compile(r"^([^.\[][^.]*?)\s\.{3,}\s(.*)$")
+# ds_report does not print the accelerator it picked, so we ask for it first, in the same process.
+_DS_CMD = ("from deepspeed.accelerator import get_accelerator as g; a = g(); "
+           "print('accelerator ...', a.device_name(), a.communication_backend_name(), flush=True); "
+           "from deepspeed.env_report import cli_main; cli_main()")
+
+
+def parse_ds_report(text: str) -> dict:
+    """Parse ``ds_report`` output (colour codes and all) into ops, accelerator, versions, warnings."""
+    ops, info, warnings = [], {}, []
+    for raw in _ANSI.sub("", text).splitlines():
+        line = raw.strip()
+        if m := _OP_LINE.match(line):
+            ops.append({"op": m[1], "installed": m[2] == "YES", "compatible": m[3] == "OKAY"})
+        elif "[WARNING]" in line:
+            warnings.append(line.split("[WARNING]", 1)[1].strip())
+        elif (m := _INFO_LINE.match(line)) and m[1] != "op name":
+            info[m[1].strip()] = m[2].strip()
+    accel = info.get("accelerator", "").split()
+    ninja = info.get("ninja")
+    return {"accelerator": accel[0] if accel else ("cuda" if "torch cuda version" in info else None),
+            "comm_backend": accel[1] if len(accel) > 1 else None,
+            "deepspeed_version": info.get("deepspeed info", "").split(",")[0] or None,
+            "ninja": None if ninja is None else ninja == "[OKAY]", "ops": ops, "info": info, "warnings": warnings}
+
+
+def ds_report_summary(timeout: float = 120) -> dict:
+    """Run DeepSpeed's ``ds_report`` in a subprocess (DS_ACCELERATOR=cpu without GPUs) and parse it.
+
+    Returns ``parse_ds_report``'s dict plus ``ok``, ``seconds``, ``error``.
+    """
+    env = dict(os.environ) if gpu_count() else {"DS_ACCELERATOR": "cpu", **os.environ}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _DS_CMD], capture_output=True, text=True, timeout=timeout, env=env)
+        text, error = proc.stdout + proc.stderr, None if proc.returncode == 0 else proc.stderr[-1000:]
+    except subprocess.TimeoutExpired:
+        text, error = "", f"ds_report did not finish within {timeout:.0f} s"
+    out = parse_ds_report(text)
+    out.update(ok=error is None and bool(out["ops"]), seconds=round(time.perf_counter() - t0, 2), error=error)
+    return out
+
+
+_COMPILE_CODE = r"""
+import json, time, torch
+device = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
+x = torch.randn(16, 32, device=device)
+out = {"ok": False, "device": device, "compile_s": None, "error": None}
+try:
+    t0 = time.perf_counter()
+    y = torch.compile(model)(x)
+    out["compile_s"] = round(time.perf_counter() - t0, 2)
+    out["ok"] = bool(torch.allclose(y, model(x), atol=1e-5, rtol=1e-4))
+    out["error"] = None if out["ok"] else "compiled output differs from eager"
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+print(json.dumps(out))
+"""
+
+
+def torch_compile_smoke(timeout: float = 180) -> dict:
+    """Compile a tiny MLP with ``torch.compile`` in a subprocess and compare it with eager.
+
+    Returns ``{"ok", "compile_s", "error", "device"}``. On CPU, inductor needs a C++ compiler (gcc).
+    """
+    try:
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_CODE], capture_output=True, text=True, timeout=timeout)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "compile_s": None, "error": f"torch.compile took longer than {timeout:.0f} s"}
+    except (json.JSONDecodeError, IndexError):
+        return {"ok": False, "compile_s": None, "error": (proc.stderr or "no output")[-800:]}
+
+
+def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes/s) of one all-reduce of ``size_bytes`` taking ``seconds``.
+
+    Definitions from nccl-tests, doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests):
+    ``algbw = size / time``; for all-reduce ``busbw = algbw * 2*(n-1)/n``, because a ring all-reduce moves
+    each byte 2*(n-1)/n times over the slowest link -- busbw is comparable with the hardware's link speed.
+
+    >>> bus_bandwidth(1e9, 1.0, 8)
+    (1.0, 1.75)
+    """
+    if seconds <= 0 or world_size < 1:
+        raise ValueError("seconds must be > 0 and world_size >= 1")
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * 2 * (world_size - 1) / world_size
+
+
+def report(*, allreduce: dict | list | None = None, deepspeed: bool = True, torch_compile: bool = True) -> dict:
+    """Everything above in one dict. ``allreduce`` is ``Run.result`` (or ``Run.metrics``) of
+    ``course/allreduce_check.py``; ``deepspeed``/``torch_compile`` switch off the slower subprocess checks."""
+    rep: dict = {"torch_error": None}
+    try:
+        rep.update(versions=versions(), gpu_count=gpu_count(), devices=devices(), backends=backends(),
+                   backend=default_backend(), nproc=default_nproc(), profile=profile(), cpu_count=cpu_count(),
+                   nvidia_smi=nvidia_smi(), probe_error=_probe().get("error"),
+                   cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ImportError as exc:
+        rep["torch_error"] = f"{type(exc).__name__}: {exc}"
+        return rep
+    rep["allreduce"] = allreduce
+    rep["deepspeed"] = ds_report_summary() if deepspeed else None
+    rep["compile"] = torch_compile_smoke() if torch_compile else None
+    return rep
+
+
+# --- the verdict ----------------------------------------------------------------------------
+def _allreduce_outcome(ar) -> tuple[str, str]:
+    if not ar:
+        return "warn", "not run yet: launch course/allreduce_check.py with helpers.launch.torchrun"
+    results = [r for r in ar if r.get("kind") == "result"] if isinstance(ar, list) else [ar]
+    world = max((r.get("world_size", 0) for r in results), default=0)
+    ok = bool(results) and all(r.get("allreduce_ok") and r.get("all_ranks_ok", True) for r in results)
+    r0 = results[0] if results else {}
+    if ok:
+        return "ok", f"{world} ranks, backend {r0.get('backend')}: sum {r0.get('all_reduce')} == {r0.get('expected')}"
+    return "fail", (f"all-reduce gave {r0.get('all_reduce')}, expected {r0.get('expected')}: check the rank logs; "
+                    "NCCL_DEBUG=INFO shows which transport NCCL chose")
+
+
+def verdict(report: dict) -> list[dict]:
+    """Rows ``{"check", "status": ok|warn|fail, "advice"}``, ending with: ready for DDP, ready for
+    DeepSpeed (advice "yes"/"no"/"not yet ...") and the backend."""
+    rows: list[dict] = []
+
+    def row(check, status, advice):
+        rows.append({"check": check, "status": status, "advice": advice})
+
+    def ready(check, needs):
+        st = "fail" if any(r["status"] == "fail" for r in needs) else "ok" if all(r["status"] == "ok" for r in needs) \
+            else "warn"
+        blockers = ", ".join(r["check"] for r in needs if r["status"] == st)
+        row(check, st, {"ok": "yes", "warn": f"not yet: see {blockers}", "fail": f"no: see {blockers}"}[st])
+
+    if report.get("torch_error"):
+        row("torch imports", "fail", f"{report['torch_error']} -- run `make setup` (pip install -e .)")
+        ready("ready for DDP", rows), ready("ready for DeepSpeed", rows[:1])
+        return rows
+    v, n, smi, backend = report["versions"], report["gpu_count"], report.get("nvidia_smi") or [], report["backend"]
+    row("torch imports", "ok", f"torch {v['torch']} (CUDA build {v['torch_cuda'] or 'none: CPU-only wheel'})")
+    if n > 0:
+        row("GPUs visible", "ok", f"{n} x {report['devices'][0]['name']}")
+    elif smi:
+        why = ("this torch is a CPU-only build: install a CUDA wheel" if not v["torch_cuda"] else
+               f"CUDA_VISIBLE_DEVICES={report.get('cuda_visible_devices')!r} hides them, or the driver is too old "
+               f"for CUDA {v['torch_cuda']}")
+        row("GPUs visible", "fail", f"nvidia-smi lists {len(smi)} GPU(s) but torch sees none: {why}")
+    else:
+        row("GPUs visible", "warn", "no GPU -- the course runs on CPU with gloo; if you expected GPUs, the container "
+            "was probably started without `--gpus all` / check nvidia-smi and CUDA_VISIBLE_DEVICES")
+    if report.get("probe_error"):
+        row("CUDA probe", "fail", f"{report['probe_error']} -- check the driver with nvidia-smi")
+    if n > 0 and backend != "nccl":
+        row("backend chosen", "warn", "GPUs present but this torch has no NCCL: gloo works, slowly")
+    else:
+        row("backend chosen", "ok", f"{backend} ({report['nproc']} ranks, {'one per GPU' if n else 'on CPU'})")
+    row("multi-rank all-reduce", *_allreduce_outcome(report.get("allreduce")))
+    # A missing GPU is a warning (the course runs on CPU), a failed check is not.
+    ddp = [r for r in rows if r["status"] == "fail" or r["check"] == "multi-rank all-reduce"]
+
+    ds, want = report.get("deepspeed"), ("cuda" if n else "cpu")
+    if ds is None:
+        row("DeepSpeed", "warn", "not checked (report(deepspeed=False))")
+    elif not v.get("deepspeed") or not ds.get("ok"):
+        row("DeepSpeed", "fail", f"ds_report failed: {(ds.get('error') or 'no op table').strip()[-300:]}")
+    elif ds.get("accelerator") != want:
+        row("DeepSpeed", "warn", f"accelerator {ds.get('accelerator')}, expected {want}: set DS_ACCELERATOR={want}")
+    else:
+        row("DeepSpeed", "ok", f"deepspeed {v['deepspeed']}, accelerator {ds['accelerator']}")
+    ds_row = rows[-1]
+
+    c = report.get("compile")
+    if c is None:
+        row("torch.compile", "warn", "not checked (report(torch_compile=False))")
+    elif c.get("ok"):
+        row("torch.compile", "ok", f"compiled a small MLP in {c['compile_s']} s, matches eager")
+    else:
+        row("torch.compile", "warn", f"{c.get('error')} -- optional for this course; on CPU it needs gcc")
+    ready("ready for DDP", ddp)
+    ready("ready for DeepSpeed", ddp + [ds_row])
+    row("backend", "ok", backend)
+    return rows
+
+
+def verdict_table(rows: list[dict]) -> str:
+    """The verdict as aligned text, one row per line."""
+    width = max(len(r["check"]) for r in rows)
+    return "\n".join(f"{r['status'].upper():<5} {r['check']:<{width}}  {r['advice']}" for r in rows)
+
+
+if __name__ == "__main__":
+    if "--probe" in sys.argv[1:]:
+        print(json.dumps(_probe_here()))
+    else:
+        print(json.dumps(report(), indent=2, default=str))

@@ -1,0 +1,240 @@
+"""helpers.env (report, verdict, formulas) and the two communication scripts in course/."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import env
+from helpers.metrics import read_metrics, results, steps
+
+ROOT = Path(__file__).resolve().parent.parent
+cpu_only = pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="asserts CPU-machine facts")
+
+# What `ds_report` printed on the 2-core CPU machine (deepspeed 0.19.8, DS_ACCELERATOR=cpu), colour codes
+# included, behind the accelerator line that ds_report_summary prints first.
+DS_REPORT_CPU = """accelerator ... cpu gloo
+--------------------------------------------------
+DeepSpeed C++/CUDA extension op report
+--------------------------------------------------
+NOTE: Ops not installed will be just-in-time (JIT) compiled at
+      runtime if needed. Op compatibility means that your system
+      meet the required dependencies to JIT install the op.
+--------------------------------------------------
+JIT compiled ops requires ninja
+ninja .................. \x1b[92m[OKAY]\x1b[0m
+--------------------------------------------------
+op name ................ installed .. compatible
+--------------------------------------------------
+deepspeed_not_implemented  \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+\x1b[93m [WARNING] \x1b[0m async_io requires the dev libaio .so object and headers but these were not found.
+\x1b[93m [WARNING] \x1b[0m async_io: please install the libaio-dev package with apt
+async_io ............... \x1b[93m[NO]\x1b[0m ....... \x1b[93m[NO]\x1b[0m
+deepspeed_ccl_comm ..... \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+deepspeed_shm_comm ..... \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+cpu_adagrad ............ \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+cpu_adam ............... \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+cpu_lion ............... \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+fused_adam ............. \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+pin_memory ............. \x1b[93m[NO]\x1b[0m ....... \x1b[92m[OKAY]\x1b[0m
+--------------------------------------------------
+DeepSpeed general environment info:
+torch install path ............... ['/work/main/.venv/lib/python3.11/site-packages/torch']
+torch version .................... 2.14.1+cu130
+deepspeed install path ........... ['/work/main/.venv/lib/python3.11/site-packages/deepspeed']
+deepspeed info ................... 0.19.8, unknown, unknown
+deepspeed wheel compiled w. ...... torch 0.0
+shared memory (/dev/shm) size .... 23.54 GB
+W1130 07:10:01.681000 4064 torch/utils/cpp_extension.py:183] No CUDA runtime is found, using CUDA_HOME='/usr/local'
+"""
+
+
+# --- formulas and profiles --------------------------------------------------------------------
+def test_bus_bandwidth_follows_nccl_tests_definition():
+    size, seconds = 256 * 2**20, 0.01
+    for n in (1, 2, 4, 8):
+        algbw, busbw = env.bus_bandwidth(size, seconds, n)
+        assert algbw == pytest.approx(size / seconds / 1e9)
+        assert busbw == pytest.approx(algbw * 2 * (n - 1) / n)
+    assert env.bus_bandwidth(1e9, 1.0, 2) == pytest.approx((1.0, 1.0))   # n=2: busbw == algbw
+    assert env.bus_bandwidth(1e9, 1.0, 8) == pytest.approx((1.0, 1.75))  # n=8: 2*7/8
+
+
+def test_bus_bandwidth_refuses_zero_time():
+    with pytest.raises(ValueError):
+        env.bus_bandwidth(1024, 0.0, 2)
+
+
+def test_profile_auto_follows_the_hardware(monkeypatch):
+    monkeypatch.delenv("COURSE_PROFILE", raising=False)
+    monkeypatch.setattr(env, "gpu_count", lambda: 0)
+    assert env.profile() == "smoke"
+    monkeypatch.setattr(env, "gpu_count", lambda: 4)
+    assert env.profile("auto") == "full"
+
+
+def test_profile_env_var_overrides_auto_but_not_an_explicit_choice(monkeypatch):
+    monkeypatch.setenv("COURSE_PROFILE", "full")
+    monkeypatch.setattr(env, "gpu_count", lambda: 0)
+    assert env.profile() == "full"
+    assert env.profile("smoke") == "smoke"
+
+
+def test_unknown_profile_is_refused_with_the_valid_choices(monkeypatch):
+    monkeypatch.delenv("COURSE_PROFILE", raising=False)
+    with pytest.raises(ValueError, match="smoke"):
+        env.profile("fast")
+    monkeypatch.setenv("COURSE_PROFILE", "turbo")
+    with pytest.raises(ValueError, match="COURSE_PROFILE"):
+        env.profile()
+
+
+# --- this machine (CPU) -----------------------------------------------------------------------
+@cpu_only
+def test_cpu_machine_sees_no_gpu_and_picks_gloo():
+    assert env.gpu_count() == 0
+    assert env.default_backend() == "gloo"
+    assert env.default_nproc() == 2
+    assert env.backends()["nccl_usable"] is False
+    dev = env.devices()
+    assert len(dev) == 1 and dev[0]["kind"] == "cpu" and dev[0]["cores"] == env.cpu_count()
+    assert env.versions()["nccl"] is None
+
+
+def test_report_does_not_initialise_cuda_in_the_calling_process():
+    code = ("import torch; from helpers import env; r = env.report(deepspeed=False, torch_compile=False); "
+            "assert r['torch_error'] is None, r; print('initialised', torch.cuda.is_initialized())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "initialised False" in proc.stdout
+
+
+def _cpu_report(**overrides):
+    rep = {"torch_error": None, "versions": {"torch": "2.14.1", "torch_cuda": "13.0", "deepspeed": "0.19.8"},
+           "gpu_count": 0, "devices": [{"kind": "cpu", "name": "Xeon"}], "backend": "gloo", "nproc": 2,
+           "nvidia_smi": [], "probe_error": None, "cuda_visible_devices": None, "allreduce": None,
+           "deepspeed": env.parse_ds_report(DS_REPORT_CPU) | {"ok": True, "error": None},
+           "compile": {"ok": True, "compile_s": 7.0, "error": None}}
+    return rep | overrides
+
+
+def _rows(rows):
+    return {r["check"]: r for r in rows}
+
+
+def test_cpu_verdict_warns_about_missing_gpus_and_waits_for_the_allreduce():
+    rows = _rows(env.verdict(_cpu_report()))
+    assert rows["GPUs visible"]["status"] == "warn" and "--gpus all" in rows["GPUs visible"]["advice"]
+    assert rows["multi-rank all-reduce"]["status"] == "warn"
+    assert rows["ready for DDP"]["status"] == "warn"
+    assert rows["backend"]["advice"] == "gloo"
+
+
+def test_cpu_verdict_is_ready_once_the_allreduce_passed():
+    ar = {"allreduce_ok": True, "all_ranks_ok": True, "world_size": 2, "backend": "gloo",
+          "all_reduce": 3.0, "expected": 3.0}
+    rows = _rows(env.verdict(_cpu_report(allreduce=ar)))
+    assert rows["ready for DDP"]["advice"] == "yes"
+    assert rows["ready for DeepSpeed"]["advice"] == "yes"
+
+
+def test_verdict_blames_the_allreduce_when_a_rank_disagreed():
+    records = [{"kind": "result", "rank": 0, "allreduce_ok": True, "world_size": 2},
+               {"kind": "result", "rank": 1, "allreduce_ok": False, "world_size": 2}]
+    rows = _rows(env.verdict(_cpu_report(allreduce=records)))
+    assert rows["multi-rank all-reduce"]["status"] == "fail"
+    assert rows["ready for DDP"]["advice"].startswith("no")
+
+
+def test_verdict_explains_gpus_hidden_from_torch():
+    smi = [{"index": 0, "name": "NVIDIA H100", "memory_total_gib": 80.0, "driver_version": "550.54"}]
+    rows = _rows(env.verdict(_cpu_report(nvidia_smi=smi, cuda_visible_devices="")))
+    assert rows["GPUs visible"]["status"] == "fail"
+    assert "CUDA_VISIBLE_DEVICES" in rows["GPUs visible"]["advice"]
+
+
+@cpu_only
+def test_real_cpu_verdict_mentions_gpus_flag():
+    rows = _rows(env.verdict(env.report(deepspeed=False, torch_compile=False)))
+    assert rows["GPUs visible"]["status"] == "warn" and "--gpus all" in rows["GPUs visible"]["advice"]
+    assert rows["backend"]["advice"] == "gloo"
+
+
+# --- ds_report --------------------------------------------------------------------------------
+def test_ds_report_parsing_strips_colours_and_reads_the_op_table():
+    out = env.parse_ds_report(DS_REPORT_CPU)
+    assert out["accelerator"] == "cpu" and out["comm_backend"] == "gloo"
+    assert out["deepspeed_version"] == "0.19.8"
+    assert out["ninja"] is True
+    ops = {o["op"]: o for o in out["ops"]}
+    assert len(ops) == 9
+    assert ops["cpu_adam"] == {"op": "cpu_adam", "installed": False, "compatible": True}
+    assert ops["async_io"]["compatible"] is False
+    assert "deepspeed_not_implemented" in ops  # name longer than the dot column
+    assert any("libaio" in w for w in out["warnings"])
+    assert not any("\x1b" in str(v) for v in out["info"].values())
+
+
+def test_ds_report_parsing_of_a_cuda_style_table():
+    # Lines in the format env_report.py prints on CUDA (installed op, "torch cuda version" present).
+    text = ("fused_adam ............. \x1b[92m[YES]\x1b[0m ...... \x1b[92m[OKAY]\x1b[0m\n"
+            "torch cuda version ............... 12.1\n")
+    out = env.parse_ds_report(text)
+    assert out["ops"] == [{"op": "fused_adam", "installed": True, "compatible": True}]
+    assert out["accelerator"] == "cuda"
+
+
+@pytest.mark.slow
+def test_real_report_runs_ds_report_and_torch_compile_without_touching_cuda():
+    code = ("import json, torch; from helpers import env; r = env.report(); "
+            "print(json.dumps({'init': torch.cuda.is_initialized(), 'ds': r['deepspeed'], 'compile': r['compile']}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr
+    out = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert out["init"] is False
+    assert out["ds"]["ok"], out["ds"]["error"]
+    assert out["ds"]["accelerator"] == ("cuda" if env.gpu_count() else "cpu")
+    assert out["ds"]["ops"]
+    assert out["compile"]["ok"], out["compile"]["error"]
+
+
+# --- the course scripts under real torchrun -----------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(script, run_dir, *args):
+    # CUDA_VISIBLE_DEVICES="" keeps the test on gloo/CPU even on a one-GPU machine.
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "HELPERS_RUN_DIR": str(run_dir), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), str(ROOT / "course" / script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_allreduce_check_passes_on_two_ranks(tmp_path):
+    proc = _torchrun("allreduce_check.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [r for r in read_metrics(tmp_path) if r["kind"] == "result"]
+    assert sorted(r["rank"] for r in recs) == [0, 1]
+    assert all(r["allreduce_ok"] and r["broadcast_ok"] and r["world_size"] == 2 for r in recs)
+    assert all(r["backend"] == "gloo" and r["all_reduce"] == r["expected"] == 3 for r in recs)
+    assert proc.stdout.count(" OK") == 2
+    assert results(recs)["all_ranks_ok"] is True
+
+
+@pytest.mark.slow
+def test_allreduce_bench_records_positive_bus_bandwidth(tmp_path):
+    proc = _torchrun("allreduce_bench.py", tmp_path, "--max-bytes", "1MiB", "--iters", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = steps(read_metrics(tmp_path))
+    assert [r["size_bytes"] for r in recs] == [1024, 4096, 16384, 65536, 262144, 1048576]
+    for r in recs:
+        assert r["busbw_gbs"] > 0
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"])  # n=2
+        assert r["algbw_gbs"] == pytest.approx(r["size_bytes"] / r["seconds"] / 1e9)
