@@ -122,15 +122,19 @@ def _resolve_script(script) -> Path:
                       f"current directory or the course root {PROJECT_ROOT}.", reason="invalid")
 
 
-def _check_nproc(nproc) -> int:
+def _visible_gpus(extra_env: Mapping[str, str]) -> int:
+    """GPUs the ranks will see: none when the caller hides them with ``env={"CUDA_VISIBLE_DEVICES": ""}``."""
+    return 0 if extra_env.get("CUDA_VISIBLE_DEVICES", None) == "" else gpu_count()
+
+
+def _check_nproc(nproc, gpus: int) -> int:
     if nproc is None:
-        return default_nproc()
+        return default_nproc() if gpus == gpu_count() else 2  # GPUs hidden: CPU ranks, as on a CPU machine
     if isinstance(nproc, bool) or not isinstance(nproc, int):
         raise LaunchError(f"nproc must be a whole number of processes, got {nproc!r} "
                           f"({type(nproc).__name__})", reason="invalid")
     if nproc < 1:
         raise LaunchError(f"nproc must be at least 1, got {nproc}", reason="invalid")
-    gpus = gpu_count()
     if gpus and nproc > gpus:
         raise LaunchError(f"nproc={nproc} but this machine has {gpus} GPU(s): one rank per GPU. "
                           f"Use nproc<={gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES='') to run "
@@ -159,6 +163,21 @@ def _check_args(args) -> list[str]:
                               f"({type(a).__name__})", reason="invalid")
         out.append(os.fspath(a) if isinstance(a, os.PathLike) else str(a))
     return out
+
+
+def _check_script_flags(arg_list: list[str]) -> None:
+    """torchrun's parser accepts abbreviations of its own options even after the script name, so a script flag
+    such as ``--n`` or ``--nproc`` is taken as an ambiguous torchrun option and the launch dies. Refuse it here."""
+    from torch.distributed.run import get_args_parser
+
+    options = {o for action in get_args_parser()._actions for o in action.option_strings if o.startswith("--")}
+    for a in arg_list:
+        flag = a.split("=", 1)[0]
+        if flag.startswith("--") and flag not in options and any(o.startswith(flag) for o in options):
+            clash = sorted(o for o in options if o.startswith(flag))[:3]
+            raise LaunchError(f"script flag {flag} is the start of torchrun's own option(s) {', '.join(clash)}; "
+                              f"torchrun would take it as an abbreviation and fail. Rename the flag in the script "
+                              f"(e.g. --num-samples instead of --n).", reason="invalid")
 
 
 def _check_env(env) -> dict[str, str]:
@@ -192,7 +211,7 @@ def _new_run_dir(name: str) -> Path:
 
 def rank_env(nproc: int, run_dir: Path, extra: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """The environment every rank inherits: backend, accelerator, threads, run dir."""
-    backend = default_backend()
+    backend = default_backend() if _visible_gpus(extra) else "gloo"
     env = dict(os.environ)
     env.update({
         _metrics.RUN_DIR_ENV: str(run_dir),
@@ -418,9 +437,9 @@ class _Session:
 
 def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show) -> Run:
     script_path = _resolve_script(script)
-    nproc = _check_nproc(nproc)
     arg_list = _check_args(args)
     extra_env = _check_env(env)
+    nproc = _check_nproc(nproc, _visible_gpus(extra_env))
     _check_timeouts(timeout, stall_timeout)
     if show not in _SHOW_CHOICES:
         raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
@@ -432,7 +451,7 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
     record = {"kind": kind, "script": str(script_path), "args": arg_list, "nproc": nproc, "backend": backend,
               "port": port, "command": cmd, "omp_num_threads": rank_env_["OMP_NUM_THREADS"],
               "ds_accelerator": rank_env_.get("DS_ACCELERATOR"), "python": sys.executable,
-              "gpus": gpu_count(), "cpus": cpu_count(), "started": time.time()}
+              "gpus": _visible_gpus(extra_env), "cpus": cpu_count(), "started": time.time()}
     (run_dir / "env.json").write_text(json.dumps(record, indent=2))
 
     session = _Session(cmd, rank_env_, run_dir, nproc, show, rank_log_dir)
@@ -591,6 +610,7 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
 
     ``show``: "rank0" streams rank 0's lines, "all" every rank's (and the launcher's), "none" nothing.
     ``max_restarts``: torchrun's elastic restarts (``--max-restarts``) after a rank fails.
+    ``env``: extra variables for the ranks; ``{"CUDA_VISIBLE_DEVICES": ""}`` runs CPU ranks with gloo on a GPU machine.
 
     Example::
 
@@ -598,6 +618,8 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
     """
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise LaunchError(f"max_restarts must be a whole number >= 0, got {max_restarts!r}", reason="invalid")
+
+    _check_script_flags(_check_args(args))
 
     def cmd_for(script_path, nproc_, arg_list, port, run_dir):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_),

@@ -42,3 +42,28 @@ def loss_per_rank(records: list[dict], field: str = "loss", title: str | None = 
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def scaling(results_by_world: dict[int, dict], title: str | None = None):
+    """Samples/s and peak memory per rank side by side for runs of different world sizes.
+
+    ``results_by_world`` maps world size -> ``Run.result`` of ``course/ddp_cifar10.py``."""
+    plt = _plt()
+    worlds = sorted(results_by_world)
+    labels = [f"{n} rank{'s' if n > 1 else ''}" for n in worlds]
+    rates = [results_by_world[n]["samples_per_s"] for n in worlds]
+    gpu = all("peak_cuda_mb" in results_by_world[n] for n in worlds)
+    mems = [results_by_world[n]["peak_cuda_mb" if gpu else "peak_rss_mb"] for n in worlds]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
+    a.bar(labels, rates, color="tab:blue")
+    a.set_ylabel("samples/s (all ranks)")
+    a.set_title("throughput")
+    b.bar(labels, mems, color="tab:orange")
+    b.set_ylabel("MB per rank")
+    b.set_title("peak GPU memory" if gpu else "peak process memory (RSS)")
+    for ax, values in ((a, rates), (b, mems)):
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom")
+    fig.suptitle(title or "same data and global batch, different world sizes")
+    fig.tight_layout()
+    return fig

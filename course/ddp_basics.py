@@ -1,0 +1,58 @@
+"""Who am I? What torchrun tells each process before any distributed code runs.
+
+    torchrun --nproc-per-node 2 course/ddp_basics.py
+
+torchrun starts N copies of this script and tells each one its place through environment
+variables. init_process_group reads them to join the group; afterwards dist.get_rank() is the
+same number as RANK. Each rank prints one line about itself.
+"""
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from helpers.metrics import Reporter  # noqa: E402  (no-op unless HELPERS_RUN_DIR is set)
+
+
+@record
+def main() -> int:
+    # Read before init: these are all a process knows about the job until it joins the group.
+    env_rank = int(os.environ["RANK"])                          # unique over all nodes: 0 .. WORLD_SIZE-1
+    local_rank = int(os.environ["LOCAL_RANK"])                  # unique on this node: picks the GPU
+    world_size = int(os.environ["WORLD_SIZE"])                  # processes in the whole job
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])      # processes on this node
+    # MASTER_ADDR:MASTER_PORT is where rank 0 listens; every rank meets there to find the others.
+    master_addr_set = "MASTER_ADDR" in os.environ
+    master_port_set = "MASTER_PORT" in os.environ
+
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # LOCAL_RANK, not RANK: on node 2, RANK 8 still means GPU 0
+    else:
+        backend, device = "gloo", torch.device("cpu")
+
+    dist.init_process_group(backend)  # "env://": reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rank_matches = rank == env_rank and world == world_size
+
+        print(f"RANK={env_rank} LOCAL_RANK={local_rank} WORLD_SIZE={world_size} "
+              f"LOCAL_WORLD_SIZE={local_world_size} | dist.get_rank()={rank} "
+              f"dist.get_world_size()={world} match={rank_matches} | backend={backend} device={device} "
+              f"pid={os.getpid()} host={socket.gethostname()}", flush=True)
+        Reporter().result(env_rank=env_rank, local_rank=local_rank, world_size=world_size,
+                          local_world_size=local_world_size, master_addr_set=master_addr_set,
+                          master_port_set=master_port_set, dist_rank=rank, dist_world_size=world,
+                          rank_matches=rank_matches, pid=os.getpid(), hostname=socket.gethostname(),
+                          backend=backend, device=str(device))
+        return 0 if rank_matches else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

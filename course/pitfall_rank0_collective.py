@@ -1,0 +1,45 @@
+"""Pitfall: a collective that only some ranks call. This script hangs on purpose.
+
+    torchrun --nproc-per-node 2 course/pitfall_rank0_collective.py        # hangs: press Ctrl-C
+    torchrun --nproc-per-node 2 course/pitfall_rank0_collective.py --fixed
+
+A collective (all_reduce, barrier, broadcast, ...) is a meeting: it returns only when EVERY rank of the
+group has called it. Here rank 0 wants the average loss for its log line and calls all_reduce inside
+`if rank == 0:`; rank 1 never makes that call and waits at the next meeting instead (a barrier). Each
+waits for the other forever. --fixed moves the all_reduce out of the `if`: every rank calls it, and
+only the printing stays on rank 0.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixed", action="store_true", help="call the all_reduce on every rank")
+    fixed = parser.parse_args().fixed
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        loss = torch.tensor([1.0 + rank], device=device)  # pretend each rank computed its own loss
+        if fixed:
+            dist.all_reduce(loss)  # every rank takes part ...
+            if rank == 0:          # ... and only the printing is rank 0's
+                print(f"mean loss {loss.item() / dist.get_world_size():.2f}", flush=True)
+        elif rank == 0:
+            print("rank 0: all_reduce for the log line (rank 1 never joins)", flush=True)
+            dist.all_reduce(loss)  # BUG: only rank 0 gets here
+            print(f"mean loss {loss.item() / dist.get_world_size():.2f}", flush=True)
+        print(f"rank {rank}: waiting at the barrier", flush=True)
+        dist.barrier()
+        print(f"rank {rank}: past the barrier", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+main()
