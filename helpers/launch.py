@@ -216,6 +216,8 @@ def rank_env(nproc: int, run_dir: Path, extra: Mapping[str, str]) -> tuple[dict[
     env.update({
         _metrics.RUN_DIR_ENV: str(run_dir),
         "PYTHONUNBUFFERED": "1",
+        # a rank that gets SIGABRT (the launcher sends it to hung ranks) prints every thread's Python stack
+        "PYTHONFAULTHANDLER": "1",
         "HELPERS_BACKEND": backend,
         # ranks share the cores: without this each rank starts one OpenMP thread per core
         "OMP_NUM_THREADS": str(max(1, cpu_count() // nproc)),
@@ -279,6 +281,7 @@ class _Session:
         self.total_steps = None
         self.known: dict[int, psutil.Process] = {}
         self.restarts = 0
+        self.stacks: dict[int, str] = {}
         self.start = time.monotonic()
         self.last_activity = self.start
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
@@ -417,6 +420,37 @@ class _Session:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
+    def dump_stacks(self, script: Path, wait: float = 2.0) -> dict[int, str]:
+        """Make every rank print its Python stack (faulthandler, on SIGABRT) and collect it from its log.
+
+        Only rank processes get the signal, never the launcher, so the dumps still flow through its tee."""
+        self._remember_processes()
+        ranks = []
+        for p in self.known.values():
+            try:
+                cmd = p.cmdline()
+                launcher = any("torch.distributed.run" in c or "deepspeed.launcher" in c for c in cmd)
+                if str(script) in cmd and not launcher and p.pid != self.proc.pid:
+                    ranks.append(p)
+            except psutil.Error:
+                continue
+        for p in ranks:
+            try:
+                p.send_signal(signal.SIGABRT)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            self._drain_pipe(0.1)
+            self._tail_rank_files()
+        stacks = {}
+        for rank, tail in self.tails.items():
+            text = "\n".join(tail)
+            start = max(text.rfind("Fatal Python error: Aborted"), text.rfind("Current thread"))
+            if start >= 0:
+                stacks[rank] = text[start:]
+        return stacks
+
     def kill(self) -> None:
         self._remember_processes()
         kill_tree(list(self.known.values()))
@@ -474,6 +508,8 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
             if stall_timeout is not None and time.monotonic() - session.last_activity > stall_timeout:
                 status = "stalled"
                 break
+        if status == "stalled":
+            session.stacks = session.dump_stacks(script_path)
         if status != "running":
             session.kill()
         else:
@@ -568,9 +604,22 @@ def _failing_rank(session: _Session) -> tuple[int | None, int | None, str | None
     return None, None, None
 
 
-def _tails_text(session: _Session, lines: int = 8) -> str:
+def _innermost(dump: str, frames: int = 6) -> str:
+    """The frames of faulthandler's dump that matter: the current thread's innermost calls."""
+    lines = dump.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("Current thread")), None)
+    if start is None:
+        return "\n".join(lines[:frames + 1])
+    body = [l for l in lines[start + 1:] if l.startswith("  File")]
+    return "\n".join([lines[start]] + body[:frames])
+
+
+def _tails_text(session: _Session, lines: int = 8, before_stacks: bool = False) -> str:
     parts = []
     for rank, tail in sorted(session.tails.items()):
+        if before_stacks:  # the output the rank printed itself, not the stack dump that followed
+            cut = next((i for i, t in enumerate(tail) if t.startswith("Fatal Python error: Aborted")), len(tail))
+            tail = tail[:cut]
         body = "\n".join("    " + t for t in tail[-lines:]) or "    (no output)"
         parts.append(f"  rank {rank}:\n{body}")
     return "\n".join(parts)
@@ -583,9 +632,11 @@ def _error_for(status, session: _Session, script: Path, timeout, stall_timeout) 
                            f"Last output of each rank:\n{_tails_text(session)}\n{where}",
                            run_dir=session.run_dir, reason="timeout")
     if status == "stalled":
+        stacks = "".join(f"\n--- Python stack of rank {rank} when it stalled ---\n{_innermost(text)}"
+                         for rank, text in sorted(session.stacks.items()))
         return LaunchError(f"{script.name} stalled: no output or metric for {stall_timeout}s (a rank waiting in a "
                            f"collective the others never reach is the usual cause); killed every rank.\n"
-                           f"Last output of each rank:\n{_tails_text(session)}\n{where}",
+                           f"Last output of each rank:\n{_tails_text(session, before_stacks=True)}{stacks}\n{where}",
                            run_dir=session.run_dir, reason="stalled")
     if status in ("interrupted", "error"):
         return LaunchError(f"{script.name} was {status}; killed every rank. {where}", run_dir=session.run_dir,
