@@ -284,6 +284,9 @@ class _Session:
         self.stacks: dict[int, str] = {}
         self.start = time.monotonic()
         self.last_activity = self.start
+        # the stall clock starts at the ranks' first sign of life: interpreter start-up and `import torch`
+        # (seconds, more on a busy machine) are not a stall; `timeout` bounds them
+        self.alive = False
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -303,6 +306,7 @@ class _Session:
             self.rank_files[rank] = open(self.run_dir / f"rank{rank}.log", "a")
             self.tails[rank] = []
         self.rank_files[rank].write(text + "\n")
+        self.alive = True
         tail = self.tails[rank]
         tail.append(text)
         del tail[:-40]
@@ -380,6 +384,7 @@ class _Session:
             chunk = f.read()
         self.metrics_offset += len(chunk)
         self.last_activity = time.monotonic()
+        self.alive = True
         data = self.metrics_partial + chunk
         *complete, self.metrics_partial = data.split(b"\n")
         for line in complete:
@@ -505,7 +510,7 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
             if timeout is not None and session.elapsed() > timeout:
                 status = "timeout"
                 break
-            if stall_timeout is not None and time.monotonic() - session.last_activity > stall_timeout:
+            if stall_timeout is not None and session.alive and time.monotonic() - session.last_activity > stall_timeout:
                 status = "stalled"
                 break
         if status == "stalled":
@@ -660,6 +665,8 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
     """Run ``script`` on ``nproc`` ranks with ``torchrun`` and wait for it.
 
     ``show``: "rank0" streams rank 0's lines, "all" every rank's (and the launcher's), "none" nothing.
+    ``timeout``: seconds for the whole run. ``stall_timeout``: seconds without any rank printing or reporting a
+    metric, counted from the first such sign of life (start-up is bounded by ``timeout`` only).
     ``max_restarts``: torchrun's elastic restarts (``--max-restarts``) after a rank fails.
     ``env``: extra variables for the ranks; ``{"CUDA_VISIBLE_DEVICES": ""}`` runs CPU ranks with gloo on a GPU machine.
 
