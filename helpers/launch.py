@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import queue
 import re
@@ -190,7 +191,8 @@ def _check_env(env) -> dict[str, str]:
 
 def _check_timeouts(timeout, stall_timeout) -> None:
     for label, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
             raise LaunchError(f"{label} must be a positive number of seconds or None, got {value!r}",
                               reason="invalid")
 
@@ -218,6 +220,8 @@ def rank_env(nproc: int, run_dir: Path, extra: Mapping[str, str]) -> tuple[dict[
         "PYTHONUNBUFFERED": "1",
         # a rank that gets SIGABRT (the launcher sends it to hung ranks) prints every thread's Python stack
         "PYTHONFAULTHANDLER": "1",
+        # ranks of a restarted group must not reuse the previous attempt's rendezvous store
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "HELPERS_BACKEND": backend,
         # ranks share the cores: without this each rank starts one OpenMP thread per core
         "OMP_NUM_THREADS": str(max(1, cpu_count() // nproc)),
@@ -269,8 +273,9 @@ class _Session:
         self.nproc = nproc
         self.show = show
         self.rank_log_dir = rank_log_dir  # deepspeed: ranks write their own files here
-        self.rank_files = {r: open(run_dir / f"rank{r}.log", "a") for r in range(nproc)}
-        self.launcher_log = open(run_dir / "launcher.log", "a")
+        # line-buffered, so `tail -f runs/.../rank1.log` follows a live run
+        self.rank_files = {r: open(run_dir / f"rank{r}.log", "a", buffering=1) for r in range(nproc)}
+        self.launcher_log = open(run_dir / "launcher.log", "a", buffering=1)
         self.tails: dict[int, list[str]] = {r: [] for r in range(nproc)}
         self.first_traceback: dict[int, float] = {}
         self.launcher_tail: list[str] = []
@@ -280,7 +285,6 @@ class _Session:
         self.progress = None
         self.total_steps = None
         self.known: dict[int, psutil.Process] = {}
-        self.restarts = 0
         self.stacks: dict[int, str] = {}
         self.start = time.monotonic()
         self.last_activity = self.start
@@ -302,8 +306,11 @@ class _Session:
         self.lines.put(None)
 
     def _rank_line(self, rank: int, text: str) -> None:
+        own = f"[rank{rank}]:"  # torch prefixes uncaught errors itself; one prefix is enough
+        if text.startswith(own):
+            text = text[len(own):].removeprefix(" ")
         if rank not in self.rank_files:  # an elastic restart can bring new ranks
-            self.rank_files[rank] = open(self.run_dir / f"rank{rank}.log", "a")
+            self.rank_files[rank] = open(self.run_dir / f"rank{rank}.log", "a", buffering=1)
             self.tails[rank] = []
         self.rank_files[rank].write(text + "\n")
         self.alive = True
@@ -319,10 +326,6 @@ class _Session:
         self.launcher_log.write(text + "\n")
         self.launcher_tail.append(text)
         del self.launcher_tail[:-80]
-        if "Restarting worker group" in text or "restarting" in text.lower() and "worker" in text.lower():
-            self.restarts += 1
-            if self.show != "none":
-                self._print(f"[launcher] {text.strip()}")
         if self.show == "all":
             self._print(f"[launcher] {text}")
 
@@ -457,12 +460,17 @@ class _Session:
         return stacks
 
     def kill(self) -> None:
+        """Kill the launcher first (so it cannot restart the ranks it sees dying), then every rank we know of.
+
+        Ranks run in sessions of their own, so they are found by the process tree remembered during the run,
+        not by process group. Our own child is reaped by ``Popen.wait``, never by psutil: psutil reaping it
+        first would leave ``Popen`` a return code of 0 for a run it killed."""
         self._remember_processes()
-        kill_tree(list(self.known.values()))
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        kill_tree([p for pid, p in self.known.items() if pid != self.proc.pid])
         self.proc.wait()
 
     def close(self) -> None:
@@ -537,15 +545,16 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
         if status != "ok" and status != "running":
             error = _error_for(status, session, script_path, timeout, stall_timeout)
         returncode = session.proc.returncode if session.proc.returncode is not None else -1
+        restarts = max(0, _attempts(run_dir) - 1)
         outcome = {"status": status, "returncode": returncode, "duration_s": round(duration, 3),
-                   "restarts": session.restarts, "result": _metrics.results(_metrics.read_metrics(run_dir))}
+                   "restarts": restarts, "result": _metrics.results(_metrics.read_metrics(run_dir))}
         if error is not None:
             outcome.update({"failed_rank": error.rank, "exitcode": error.exitcode, "error": str(error)})
         (run_dir / "result.json").write_text(json.dumps(outcome, indent=2, default=str))
     if error is not None:
         raise error
     return Run(run_dir=run_dir, returncode=returncode, duration_s=duration, command=cmd, nproc=nproc,
-               backend=backend, port=port, restarts=session.restarts)
+               backend=backend, port=port, restarts=restarts)
 
 
 # Errors a rank raises only because a peer died first; never the root cause when another rank has one.
@@ -559,7 +568,9 @@ def _error_files(run_dir: Path) -> list[tuple[bool, int, int, dict]]:
     The files' own timestamps have one-second resolution (a crash and the peer's reaction share it), so the
     file's modification time in nanoseconds orders them."""
     found = []
-    for path in run_dir.glob("elastic/*/attempt_*/*/error.json"):
+    attempts = sorted(run_dir.glob("elastic/*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    # only the last attempt failed for good; earlier ones were restarted
+    for path in (attempts[-1].glob("*/error.json") if attempts else []):
         try:
             data = json.loads(path.read_text())
             msg = data.get("message", {})
@@ -568,6 +579,11 @@ def _error_files(run_dir: Path) -> list[tuple[bool, int, int, dict]]:
         except (ValueError, OSError):
             continue
     return sorted(found, key=lambda f: (f[0], f[1]))
+
+
+def _attempts(run_dir: Path) -> int:
+    """How many times torchrun started the worker group (1 + restarts), from its per-attempt log folders."""
+    return len(list(run_dir.glob("elastic/*/attempt_*")))
 
 
 def _failing_rank(session: _Session) -> tuple[int | None, int | None, str | None]:
@@ -681,7 +697,9 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
 
     def cmd_for(script_path, nproc_, arg_list, port, run_dir):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", str(max_restarts),
+               # c10d rendezvous: each restart re-rendezvouses instead of reading the dead attempt's addresses
+               # from a static store (torchelastic's static rendezvous keeps one TCPStore across restarts)
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
                "--monitor-interval", "0.1", "--tee", "3", "--log-dir", str(run_dir / "elastic"),
                "--log-line-prefix-template", "[rank${rank}]:", str(script_path), *arg_list]
         return cmd, None

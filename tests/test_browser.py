@@ -1,0 +1,178 @@
+"""What a learner sees: JupyterLab in a real browser opens every notebook on the course kernel, runs notebook 00
+without an error, and the ZeRO memory calculator answers its "parameters (B)" slider.
+
+Drives Debian's Chromium (/usr/bin/chromium) with Playwright against a throwaway JupyterLab on a copy of the course.
+Screenshots go to build/browser/. Skipped, with the reason, only where Chromium or Playwright is missing.
+"""
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.course import BUILD, syllabus
+
+from browser.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, copy_course, make_notebook
+
+if not CHROMIUM.exists():
+    pytest.skip(f"browser test: Debian's Chromium is not installed at {CHROMIUM} (apt-get install chromium)",
+                allow_module_level=True)
+pytest.importorskip("playwright.sync_api", reason="browser test: the playwright package is not importable "
+                    "(pip install playwright; its wheel bundles the driver, no `playwright install` needed)")
+
+from browser.notebook_page import EXECUTED, NotebookPage  # noqa: E402
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+SHOTS = BUILD / "browser"
+KERNEL_NAMES = ("Python (distributed course)", "dtfz")
+CALCULATOR_TAG = "zero-calculator"
+_, CHAPTERS = syllabus()
+
+
+def _tags(cell) -> list:
+    return cell.get("metadata", {}).get("tags", [])
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser")
+    root = tmp / "course"
+    root.mkdir()
+    copy_course(root)
+    server = JupyterLab(root, tmp / "lab-state", tmp / "jupyter-lab.log")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()  # kernels first, then the server; leftovers are killed by pid
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        yield page
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_notebook_renders_with_the_course_kernel(lab, page, chapter):
+    committed = json.loads(chapter.path.read_text())
+    view = NotebookPage(page, lab, f"notebooks/{chapter.file}")
+    try:
+        start = time.monotonic()
+        view.open()
+        view.screenshot(SHOTS / f"{Path(chapter.file).stem}.png")
+        assert view.cells.count() == len(committed["cells"])
+        assert view.cells.first.is_visible()
+        assert view.kernel_display_name() in KERNEL_NAMES
+        assert view.session()["kernel"]["name"] == "dtfz", "JupyterLab started another kernel than the course's"
+        with_outputs = sum(bool(c.get("outputs")) for c in committed["cells"])
+        assert page.locator(".jp-NotebookPanel .jp-OutputArea-output").count() >= with_outputs
+        print(f"\n{chapter.file}: rendered, kernel up in {time.monotonic() - start:.1f}s")
+    finally:
+        view.shutdown_kernel()
+
+
+def test_notebook_00_runs_end_to_end_without_errors(lab, page):
+    chapter = next(c for c in CHAPTERS if c.id == "00")
+    view = NotebookPage(page, lab, f"notebooks/{chapter.file}")
+    try:
+        view.open()
+        seconds = view.run_all(timeout_s=chapter.timeout_s + 120)
+        view.cells.last.scroll_into_view_if_needed()
+        view.screenshot(SHOTS / f"{Path(chapter.file).stem}-run-all.png")
+        prompts = view.prompts()
+        assert all(EXECUTED.match(p) for p in prompts), f"cells not executed: {prompts}"
+        assert not view.tracebacks_on_screen()
+        saved = view.save()
+        code = [c for c in saved["cells"] if c["cell_type"] == "code"]
+        errors = [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(code)
+                  for o in c.get("outputs", []) if o["output_type"] == "error"]
+        assert not errors
+        assert all(c.get("execution_count") for c in code)
+        print(f"\n{chapter.file}: Run All Cells finished in {seconds:.0f}s in the browser, no errors")
+    finally:
+        view.shutdown_kernel()
+
+
+def _calculator_cells(root: Path) -> tuple[str, list[int]]:
+    """The notebook and cell indices to run: the course's cells tagged zero-calculator (after its parameters
+    cell), or, until a notebook has them, a one-cell notebook written for this test."""
+    for chapter in CHAPTERS:
+        cells = json.loads(chapter.path.read_text())["cells"]
+        tagged = [i for i, c in enumerate(cells) if CALCULATOR_TAG in _tags(c)]
+        if tagged:
+            parameters = [i for i, c in enumerate(cells) if "parameters" in _tags(c)]
+            return f"notebooks/{chapter.file}", sorted(set(parameters + tagged))
+    make_notebook(root / "zero_calculator_check.ipynb",
+                  [("from helpers.widgets import zero_calculator\nzero_calculator()", [CALCULATOR_TAG])])
+    return "zero_calculator_check.ipynb", [0]
+
+
+def _settled_text(locator, differing_from: str, timeout_s: float, quiet_s: float = 1.5) -> str:
+    """The locator's text once it differs from ``differing_from`` and has stopped changing for ``quiet_s``
+    (every key press is a round trip to the kernel; read the table after the last one)."""
+    deadline = time.monotonic() + timeout_s
+    text, since = locator.inner_text(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = locator.inner_text()
+        if now != text:
+            text, since = now, time.monotonic()
+        elif text != differing_from and time.monotonic() - since >= quiet_s:
+            break
+    return text
+
+
+def _figures(text: str) -> tuple[float, float]:
+    """(parameters in billions, paper total per device in GB) as the calculator's table shows them."""
+    count, unit = re.search(r"([\d.]+)([BM]) parameters", text).groups()
+    total = re.search(r"^total\s+([\d.]+)", text, re.M).group(1)
+    return float(count) / (1000 if unit == "M" else 1), float(total)
+
+
+def test_zero_calculator_follows_the_parameters_slider(lab, page):
+    path, cells = _calculator_cells(Path(lab.root_dir))
+    view = NotebookPage(page, lab, path)
+    try:
+        view.open()
+        view.run_cells(cells, timeout_s=300)
+        calculator = page.locator(".zero-calculator").first
+        result = page.locator(".zero-calculator-result").first
+        result.wait_for(state="visible")
+        calculator.scroll_into_view_if_needed()
+        before = result.inner_text()
+        view.screenshot(SHOTS / "zero-calculator-before.png", element=calculator)
+
+        slider = calculator.locator(".widget-slider", has=page.locator("label", has_text="parameters (B)"))
+        slider.locator(".noUi-handle").focus()
+        for _ in range(6):  # each step is 0.05 in log10: x1.12 per press, about x2 in all
+            page.keyboard.press("ArrowRight")
+        after = _settled_text(result, differing_from=before, timeout_s=30)
+        view.screenshot(SHOTS / "zero-calculator-after.png", element=calculator)
+
+        assert after != before, "the calculator's table did not change when the slider moved"
+        (params_before, total_before), (params_after, total_after) = _figures(before), _figures(after)
+        assert params_after > params_before
+        assert total_after > total_before
+        print(f"\n{path}: slider {params_before:g}B -> {params_after:g}B parameters, "
+              f"paper total per device {total_before:g} -> {total_after:g} GB")
+    finally:
+        view.shutdown_kernel()
