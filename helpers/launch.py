@@ -74,6 +74,7 @@ class Run:
     backend: str
     port: int
     restarts: int = 0
+    nnodes: int = 1
     _metrics: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -482,20 +483,23 @@ class _Session:
         self.launcher_log.close()
 
 
-def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show) -> Run:
+def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show, nnodes=1) -> Run:
     script_path = _resolve_script(script)
     arg_list = _check_args(args)
     extra_env = _check_env(env)
     nproc = _check_nproc(nproc, _visible_gpus(extra_env))
+    if nnodes > 1 and nproc * nnodes > 8 * cpu_count():
+        raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpu_count()} cores would thrash", reason="invalid")
     _check_timeouts(timeout, stall_timeout)
     if show not in _SHOW_CHOICES:
         raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
 
     run_dir = _new_run_dir(name or script_path.stem)
-    rank_env_, backend = rank_env(nproc, run_dir, extra_env)
+    rank_env_, backend = rank_env(nproc * nnodes, run_dir, extra_env)
     port = free_port()
     cmd, rank_log_dir = cmd_for(script_path, nproc, arg_list, port, run_dir)
-    record = {"kind": kind, "script": str(script_path), "args": arg_list, "nproc": nproc, "backend": backend,
+    record = {"kind": kind, "script": str(script_path), "args": arg_list, "nproc": nproc, "nnodes": nnodes,
+              "backend": backend,
               "port": port, "command": cmd, "omp_num_threads": rank_env_["OMP_NUM_THREADS"],
               "ds_accelerator": rank_env_.get("DS_ACCELERATOR"), "python": sys.executable,
               "gpus": _visible_gpus(extra_env), "cpus": cpu_count(), "started": time.time()}
@@ -554,7 +558,7 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
     if error is not None:
         raise error
     return Run(run_dir=run_dir, returncode=returncode, duration_s=duration, command=cmd, nproc=nproc,
-               backend=backend, port=port, restarts=restarts)
+               backend=backend, port=port, restarts=restarts, nnodes=nnodes)
 
 
 # Errors a rank raises only because a peer died first; never the root cause when another rank has one.
@@ -562,28 +566,39 @@ _SECONDARY = re.compile(r"Connection (reset|closed) by peer|remote process exite
                         r"Socket Timeout|Broken pipe|SIGTERM|Signal 15|NCCL communicator was aborted", re.I)
 
 
-def _error_files(run_dir: Path) -> list[tuple[bool, int, int, dict]]:
-    """torchelastic error files, root causes first: primary errors before peer-loss errors, then by write time.
+def _agent_attempts(run_dir: Path) -> dict[Path, list[Path]]:
+    """Each torchrun agent's log folder (``elastic/<id>`` or, with nnodes>1, ``elastic/node<i>/<id>``) and its
+    ``attempt_<k>`` folders in order."""
+    agents: dict[Path, list[Path]] = {}
+    for attempt in run_dir.glob("elastic/**/attempt_*"):
+        agents.setdefault(attempt.parent, []).append(attempt)
+    return {a: sorted(v, key=lambda p: int(p.name.split("_")[1])) for a, v in agents.items()}
+
+
+def _error_files(run_dir: Path, nproc_per_node: int = 1) -> list[tuple[bool, int, int, dict]]:
+    """torchelastic error files of each agent's last attempt (earlier ones were restarted), root causes first:
+    primary errors before peer-loss errors, then by write time.
 
     The files' own timestamps have one-second resolution (a crash and the peer's reaction share it), so the
     file's modification time in nanoseconds orders them."""
     found = []
-    attempts = sorted(run_dir.glob("elastic/*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    # only the last attempt failed for good; earlier ones were restarted
-    for path in (attempts[-1].glob("*/error.json") if attempts else []):
-        try:
-            data = json.loads(path.read_text())
-            msg = data.get("message", {})
-            text = msg.get("message", "") if isinstance(msg, dict) else str(msg)
-            found.append((bool(_SECONDARY.search(text)), path.stat().st_mtime_ns, int(path.parent.name), data))
-        except (ValueError, OSError):
-            continue
+    for agent, attempts in _agent_attempts(run_dir).items():
+        node = int(agent.parent.name[4:]) if agent.parent.name.startswith("node") else 0
+        for path in attempts[-1].glob("*/error.json"):
+            try:
+                data = json.loads(path.read_text())
+                msg = data.get("message", {})
+                text = msg.get("message", "") if isinstance(msg, dict) else str(msg)
+                rank = node * nproc_per_node + int(path.parent.name)  # folders are named by local rank
+                found.append((bool(_SECONDARY.search(text)), path.stat().st_mtime_ns, rank, data))
+            except (ValueError, OSError):
+                continue
     return sorted(found, key=lambda f: (f[0], f[1]))
 
 
 def _attempts(run_dir: Path) -> int:
     """How many times torchrun started the worker group (1 + restarts), from its per-attempt log folders."""
-    return len(list(run_dir.glob("elastic/*/attempt_*")))
+    return max((len(v) for v in _agent_attempts(run_dir).values()), default=0)
 
 
 def _failing_rank(session: _Session) -> tuple[int | None, int | None, str | None]:
@@ -596,7 +611,7 @@ def _failing_rank(session: _Session) -> tuple[int | None, int | None, str | None
     # torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : 1 (pid: ...)"
     exitcodes = {int(r): int(c) for r, c in
                  re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", launcher_text)}
-    errors = _error_files(session.run_dir)
+    errors = _error_files(session.run_dir, session.nproc)
 
     def victim(rank: int) -> bool:
         return bool(_SECONDARY.search("\n".join(session.tails.get(rank, []))))
@@ -677,7 +692,7 @@ def _error_for(status, session: _Session, script: Path, timeout, stall_timeout) 
 
 
 def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeout=None, name=None,
-             show="rank0", max_restarts: int = 0) -> Run:
+             show="rank0", max_restarts: int = 0, nnodes: int = 1) -> Run:
     """Run ``script`` on ``nproc`` ranks with ``torchrun`` and wait for it.
 
     ``show``: "rank0" streams rank 0's lines, "all" every rank's (and the launcher's), "none" nothing.
@@ -685,6 +700,8 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
     metric, counted from the first such sign of life (start-up is bounded by ``timeout`` only).
     ``max_restarts``: torchrun's elastic restarts (``--max-restarts``) after a rank fails.
     ``env``: extra variables for the ranks; ``{"CUDA_VISIBLE_DEVICES": ""}`` runs CPU ranks with gloo on a GPU machine.
+    ``nnodes``: rehearse a multi-node job on this machine: that many torchrun agents ("nodes", see
+    :mod:`helpers.nodes`), each running ``nproc`` ranks, meet at a c10d rendezvous. CPU ranks only.
 
     Example::
 
@@ -694,17 +711,25 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
         raise LaunchError(f"max_restarts must be a whole number >= 0, got {max_restarts!r}", reason="invalid")
 
     _check_script_flags(_check_args(args))
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise LaunchError(f"nnodes must be a whole number >= 1, got {nnodes!r}", reason="invalid")
+    if nnodes > 1 and _visible_gpus(_check_env(env)):
+        raise LaunchError("nnodes>1 rehearses several nodes on ONE machine, where the 'nodes' would share GPUs; "
+                          "pass env={'CUDA_VISIBLE_DEVICES': ''} for CPU ranks, or run one torchrun per real node "
+                          "(course/slurm_torchrun.sbatch)", reason="invalid")
 
     def cmd_for(script_path, nproc_, arg_list, port, run_dir):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_),
-               # c10d rendezvous: each restart re-rendezvouses instead of reading the dead attempt's addresses
-               # from a static store (torchelastic's static rendezvous keeps one TCPStore across restarts)
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
-               "--monitor-interval", "0.1", "--tee", "3", "--log-dir", str(run_dir / "elastic"),
-               "--log-line-prefix-template", "[rank${rank}]:", str(script_path), *arg_list]
-        return cmd, None
+        common = ["--nproc-per-node", str(nproc_), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+                  "--tee", "3", "--log-line-prefix-template", "[rank${rank}]:", str(script_path), *arg_list]
+        if nnodes > 1:
+            return [sys.executable, "-m", "helpers.nodes", "--nnodes", str(nnodes), "--port", str(port),
+                    "--log-dir", str(run_dir / "elastic"), "--", *common], None
+        # c10d rendezvous: each restart re-rendezvouses instead of reading the dead attempt's addresses
+        # from a static store (torchelastic's static rendezvous keeps one TCPStore across restarts)
+        return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--log-dir", str(run_dir / "elastic"), *common], None
 
-    return _launch("torchrun", cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show)
+    return _launch("torchrun", cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show, nnodes)
 
 
 def deepspeed(script, nproc=None, args=(), *, config=None, env=None, timeout=None, stall_timeout=None,
