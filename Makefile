@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	$(PY) -m ipykernel install --sys-prefix --name dtfz --display-name "Python (distributed course)" >/dev/null
+	@# DeepSpeed JIT-builds its CPU communication op on first use (~40 s); build it now, not in a learner's first run
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 \
+	  || echo "note: could not prebuild DeepSpeed's CPU comm op (needs g++); the first DeepSpeed run will build it"
 	@touch $(STAMP)
 
 course: setup          ## execute every notebook into build/notebooks and print the summary table

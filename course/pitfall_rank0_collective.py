@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 course/pitfall_rank0_collective.py        # hangs: press Ctrl-C
     torchrun --nproc-per-node 2 course/pitfall_rank0_collective.py --fixed
+    torchrun --nproc-per-node 2 course/pitfall_rank0_collective.py --timeout-s 10   # fails after 10 s instead
 
 A collective (all_reduce, barrier, broadcast, ...) is a meeting: it returns only when EVERY rank of the
 group has called it. Here rank 0 wants the average loss for its log line and calls all_reduce inside
@@ -11,6 +12,7 @@ only the printing stays on rank 0.
 """
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,8 +23,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixed", action="store_true", help="call the all_reduce on every rank")
-    fixed = parser.parse_args().fixed
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="how long a collective may wait before it raises (default: 30 min for gloo, 10 for NCCL)")
+    args = parser.parse_args()
+    fixed = args.fixed
+    timeout = timedelta(seconds=args.timeout_s) if args.timeout_s else None
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     try:

@@ -483,13 +483,16 @@ class _Session:
         self.launcher_log.close()
 
 
-def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show, nnodes=1) -> Run:
+def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show, nnodes=1,
+            precheck=None) -> Run:
     script_path = _resolve_script(script)
     arg_list = _check_args(args)
     extra_env = _check_env(env)
     nproc = _check_nproc(nproc, _visible_gpus(extra_env))
     if nnodes > 1 and nproc * nnodes > 8 * cpu_count():
         raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpu_count()} cores would thrash", reason="invalid")
+    if precheck is not None:
+        precheck(nproc * nnodes)
     _check_timeouts(timeout, stall_timeout)
     if show not in _SHOW_CHOICES:
         raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
@@ -757,6 +760,18 @@ def deepspeed(script, nproc=None, args=(), *, config=None, env=None, timeout=Non
             raise LaunchError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}",
                               reason="invalid")
 
+    def precheck(world_size):
+        """The config against this world size and device, with messages that say what to change, before
+        DeepSpeed's own assertions could be the first thing a learner sees."""
+        if config_path is None:
+            return
+        from . import dsconfig
+        try:
+            dsconfig.check(config_path, world_size, accelerator="cuda" if default_backend() == "nccl" and
+                           _visible_gpus(_check_env(env)) else "cpu")
+        except dsconfig.ConfigError as err:
+            raise LaunchError(str(err), reason="invalid") from None
+
     def cmd_for(script_path, nproc_, arg_list, port, run_dir):
         cfg_args = []
         if isinstance(config_path, dict):
@@ -771,4 +786,5 @@ def deepspeed(script, nproc=None, args=(), *, config=None, env=None, timeout=Non
                "--enable_each_rank_log", str(log_dir), str(script_path), *arg_list, *cfg_args]
         return cmd, log_dir
 
-    return _launch("deepspeed", cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show)
+    return _launch("deepspeed", cmd_for, script, nproc, args, env, timeout, stall_timeout, name, show,
+                   precheck=precheck)
