@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profile: {profile}")
     print(summary_table(rows))
     if args.command != "regen":
+        from . import report
         (BUILD / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+        env_record = environment_record(profile)
+        flat = {k: v for k, v in env_record.items() if k != "packages"} | env_record["packages"]
+        print(f"report: {report.write(rows, profile, flat, BUILD / 'report.html')}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -229,6 +229,8 @@ def rank_env(nproc: int, run_dir: Path, extra: Mapping[str, str]) -> tuple[dict[
     })
     if backend != "nccl":
         env["DS_ACCELERATOR"] = "cpu"
+    elif env.get("DS_ACCELERATOR") == "cpu" and "DS_ACCELERATOR" not in extra:
+        env["DS_ACCELERATOR"] = "cuda"  # the kernel set cpu for DeepSpeed's estimators; ranks with GPUs use them
     env.update(extra)
     return env, backend
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 from collections import defaultdict
 from typing import Any
@@ -136,6 +137,9 @@ def deepspeed_estimate(params: int, num_gpus_per_node: int, num_nodes: int = 1, 
     kw = dict(total_params=params, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
               additional_buffer_factor=additional_buffer_factor)
     buf = io.StringIO()
+    # The estimators are arithmetic. Importing DeepSpeed picks an accelerator, and in a notebook kernel that must not
+    # be CUDA (the kernel never touches the GPU; every rank is a subprocess, and helpers.launch sets the ranks' own).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs as exact,
                                                           estimate_zero2_model_states_mem_needs_all_cold as show)

@@ -67,3 +67,30 @@ def scaling(results_by_world: dict[int, dict], title: str | None = None):
     fig.suptitle(title or "same data and global batch, different world sizes")
     fig.tight_layout()
     return fig
+
+
+def memory_by_stage(rows: list[dict], title: str | None = None):
+    """Stacked bars of model-state bytes per rank, measured next to the formula, for each ZeRO stage.
+
+    ``rows``: dicts with ``stage``, ``rank``, ``measured`` and ``formula`` (each ``{params, grads, optimizer}``
+    bytes), as built in notebook 03 from ``helpers.memory.compare_to_formula``; the rank holding most is shown."""
+    plt = _plt()
+    stages = sorted({r["stage"] for r in rows})
+    worst = {s: max((r for r in rows if r["stage"] == s), key=lambda r: r["measured"]["total"]) for s in stages}
+    parts = (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green"))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.38
+    for offset, source, hatch in ((-width / 2, "measured", ""), (width / 2, "formula", "//")):
+        bottom = [0.0] * len(stages)
+        for part, colour in parts:
+            values = [worst[s][source][part] / 2**20 for s in stages]
+            ax.bar([i + offset for i in range(len(stages))], values, width, bottom=bottom, color=colour,
+                   hatch=hatch, edgecolor="white", label=f"{part} ({source})")
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(stages)), [f"ZeRO-{s}" for s in stages])
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(title or "model states per rank: measured (solid) vs formula (hatched)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig

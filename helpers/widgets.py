@@ -284,3 +284,87 @@ class ZeroCalculator(w.VBox):
         data = super()._repr_mimebundle_(**kwargs)
         data["text/plain"] = self.text()  # what nbval compares and a static render shows, instead of a repr
         return data
+
+
+# --------------------------------------------------------------------------------------------- ds_config builder
+
+
+class ConfigBuilder(w.VBox):
+    """Choose a few things, see the ds_config they make and what is wrong with it, write it to a JSON file.
+
+    The file is written only when :func:`helpers.dsconfig.build` finds no problem for this machine's accelerator,
+    so whatever it writes is a config ``course/ds_cifar10.py --deepspeed_config <file>`` accepts.
+
+    Example::
+
+        builder = ConfigBuilder("runs/my_ds_config.json", world_size=2)
+        builder          # in a notebook: the controls, a live preview, and a "write" button
+        builder.write()  # the same as pressing the button; returns the path, or None if the config has problems
+    """
+
+    def __init__(self, path="runs/ds_config.json", world_size: int = 2, accelerator: str | None = None):
+        from . import dsconfig
+        self._dsconfig = dsconfig
+        self.accelerator = accelerator
+        style = {"description_width": "150px"}
+        self.controls = {
+            "stage": w.ToggleButtons(options=[0, 1, 2, 3], value=2, description="ZeRO stage", style=style),
+            "dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32", description="precision",
+                                     style=style),
+            "micro_batch": w.BoundedIntText(value=32, min=1, max=4096, description="micro batch / rank", style=style),
+            "accumulation": w.BoundedIntText(value=1, min=1, max=1024, description="accumulation steps",
+                                             style=style),
+            "world_size": w.BoundedIntText(value=world_size, min=1, max=4096, description="ranks", style=style),
+            "lr": w.FloatLogSlider(value=1e-3, base=10, min=-6, max=-1, description="learning rate", style=style),
+            "warmup_steps": w.BoundedIntText(value=0, min=0, max=10**6, description="warmup steps", style=style),
+            "clip": w.BoundedFloatText(value=1.0, min=0, max=1e6, description="clip norm (0 = off)", style=style),
+            "offload": w.Dropdown(options=[("none", None), ("optimizer", "optimizer"), ("params", "param"),
+                                           ("both", "both")], value=None, description="offload to CPU",
+                                  style=style),
+        }
+        self.path = w.Text(value=str(path), description="file", style=style)
+        self.button = w.Button(description="write ds_config", button_style="primary")
+        self.result = w.HTML()
+        self.result.add_class("ds-config-builder-result")
+        for c in self.controls.values():
+            c.observe(lambda _change: self._refresh(), names="value")
+        self.button.on_click(lambda _b: self.write())
+        super().__init__([*self.controls.values(), self.path, self.button, self.result])
+        self._refresh()
+
+    def choices(self) -> dict:
+        values = {k: c.value for k, c in self.controls.items()}
+        values["clip"] = values["clip"] or None
+        return values
+
+    def config(self) -> dict:
+        """The config for the current choices; raises ``dsconfig.ConfigError`` saying what to change."""
+        return self._dsconfig.build(**self.choices(), accelerator=self.accelerator)
+
+    def _refresh(self, written=None) -> None:
+        import json
+        try:
+            text = json.dumps(self.config(), indent=2)
+            note = f"<p>written to <code>{html.escape(str(written))}</code></p>" if written else ""
+            self.result.value = f"{note}<pre>{html.escape(text)}</pre>"
+        except self._dsconfig.ConfigError as err:
+            items = "".join(f"<li>{html.escape(p)}</li>" for p in err.problems)
+            self.result.value = f"<p><b>not written, the config has problems:</b></p><ul>{items}</ul>"
+
+    def write(self):
+        """Write the config to the chosen file if it is valid; returns the path, or None."""
+        try:
+            path = self._dsconfig.save(self.config(), self.path.value)
+        except self._dsconfig.ConfigError:
+            self._refresh()
+            return None
+        self._refresh(written=path)
+        return path
+
+    def __repr__(self) -> str:  # plain text for nbval and terminals
+        return f"ConfigBuilder(file={self.path.value!r}, choices={self.choices()})"
+
+
+def config_builder(path="runs/ds_config.json", world_size: int = 2, accelerator: str | None = None) -> ConfigBuilder:
+    """A :class:`ConfigBuilder` (see there)."""
+    return ConfigBuilder(path, world_size, accelerator)

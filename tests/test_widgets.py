@@ -115,3 +115,44 @@ def test_widget_plain_text_form_is_the_calculator_text():
     bundle = calc._repr_mimebundle_()
     assert bundle["text/plain"] == zero_calculator_text(P, 64, 1)
     assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+# --- ds_config builder
+
+
+def test_config_builder_writes_a_config_the_scripts_accept(tmp_path):
+    from helpers import dsconfig
+    from helpers.widgets import config_builder
+
+    target = tmp_path / "cfg.json"
+    builder = config_builder(target, world_size=2, accelerator="cpu")
+    builder.controls["stage"].value = 3
+    builder.controls["dtype"].value = "bf16"
+    builder.controls["accumulation"].value = 2
+    assert builder.write() == target
+    written = dsconfig.load(target)
+    dsconfig.check(written, 2, accelerator="cpu")  # raises if DeepSpeed-side rules are broken
+    assert written["zero_optimization"]["stage"] == 3 and written["bf16"] == {"enabled": True}
+    assert written["train_batch_size"] == 32 * 2 * 2
+    assert "written to" in builder.result.value
+
+
+def test_config_builder_refuses_fp16_on_cpu_and_writes_nothing(tmp_path):
+    from helpers.widgets import config_builder
+
+    target = tmp_path / "cfg.json"
+    builder = config_builder(target, accelerator="cpu")
+    builder.controls["dtype"].value = "fp16"
+    assert "not written" in builder.result.value and "bf16" in builder.result.value
+    assert builder.write() is None
+    assert not target.exists()
+
+
+def test_config_builder_refuses_param_offload_below_stage_3(tmp_path):
+    from helpers.widgets import config_builder
+
+    builder = config_builder(tmp_path / "cfg.json", accelerator="cpu")
+    builder.controls["stage"].value = 2
+    builder.controls["offload"].value = "param"
+    assert "not written" in builder.result.value and "stage" in builder.result.value
+    assert builder.write() is None

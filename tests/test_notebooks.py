@@ -1,0 +1,60 @@
+"""The committed notebooks are in a state nbval can validate and an instructor can trust."""
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers.course import NOTEBOOKS, syllabus
+
+_, CHAPTERS = syllabus()
+IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
+IGNORE_TAGS = ("nbval-ignore-output", "nbval-skip", "raises-exception")
+
+
+def _code_cells(nb):
+    return [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+
+
+def _compared(cell) -> bool:
+    tags = cell.get("metadata", {}).get("tags", [])
+    first_lines = "".join(cell["source"]).splitlines()[:3]
+    return not any(t in tags for t in IGNORE_TAGS) and not any(
+        line.strip().lstrip("#").strip().startswith(IGNORE_MARKERS) for line in first_lines)
+
+
+def _load(chapter):
+    return json.loads(chapter.path.read_text())
+
+
+def test_syllabus_lists_exactly_the_notebooks_on_disk():
+    on_disk = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+    assert sorted(c.file for c in CHAPTERS) == on_disk
+    assert [c.id for c in CHAPTERS] == sorted(c.id for c in CHAPTERS), "syllabus order is notebook order"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_at_least_a_third_of_code_cells_are_compared_by_nbval(chapter):
+    cells = _code_cells(_load(chapter))
+    compared = [c for c in cells if _compared(c)]
+    assert len(compared) * 3 >= len(cells), f"{len(compared)} of {len(cells)} code cells compared"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_notebook_is_committed_with_outputs_and_no_errors(chapter):
+    nb = _load(chapter)
+    cells = _code_cells(nb)
+    assert any(c.get("outputs") for c in cells), "run `make regen` before committing"
+    unexecuted = [i for i, c in enumerate(cells) if c.get("execution_count") is None]
+    assert not unexecuted, f"code cells {unexecuted} were never executed: outputs must come from `make regen`"
+    errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"committed error output: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_notebook_has_parameters_cell_and_course_kernel(chapter):
+    nb = _load(chapter)
+    tags = [c.get("metadata", {}).get("tags", []) for c in nb["cells"]]
+    assert sum("parameters" in t for t in tags) == 1, "exactly one papermill parameters cell"
+    assert not any("injected-parameters" in t for t in tags), "regen must strip papermill's injected cell"
+    assert nb["metadata"]["kernelspec"]["name"] == "dtfz"
+    assert "papermill" not in nb["metadata"], "volatile papermill metadata must be stripped"
