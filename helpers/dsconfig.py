@@ -116,7 +116,7 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
     ``stage``: ZeRO stage 0-3. ``dtype``: "fp32", "bf16" or "fp16". ``micro_batch``: samples per rank per
     forward/backward. ``accumulation``: micro batches per optimizer step. ``world_size``: when given,
     ``train_batch_size`` is written out (micro_batch x accumulation x world_size), otherwise DeepSpeed derives it.
-    ``warmup_steps`` > 0 adds a linear WarmupLR from 0 to ``lr``. ``clip``: gradient_clipping (max global norm).
+    ``warmup_steps`` > 0 adds a linear WarmupLR from 0 to ``lr``. ``clip``: gradient_clipping (max global norm); None writes 0.0 (off), since DeepSpeed 0.19 clips at 1.0 when the key is absent.
     ``offload``: None, "optimizer" (stage >= 1), "param" or "both" (stage 3), to CPU memory.
     ``torch_adam``: use PyTorch's Adam/AdamW instead of DeepSpeed's FusedAdam, which is JIT-compiled on first use
     (a C++/CUDA build of a minute or more, and impossible without a compiler). ``zero``: extra
@@ -149,8 +149,9 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                               "warmup_num_steps": warmup_steps,
                                                               "warmup_type": "linear"}}
-    if clip is not None:
-        config["gradient_clipping"] = clip
+    # DeepSpeed 0.19 clips at 1.0 when the key is absent (microsoft/DeepSpeed PR #8068), so "no clipping" is
+    # written out as 0.0: what you did not ask for should not quietly change your training
+    config["gradient_clipping"] = 0.0 if clip is None else clip
     if offload in ("optimizer", "both"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if offload in ("param", "both"):

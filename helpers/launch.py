@@ -560,6 +560,8 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
         if error is not None:
             outcome.update({"failed_rank": error.rank, "exitcode": error.exitcode, "error": str(error)})
         (run_dir / "result.json").write_text(json.dumps(outcome, indent=2, default=str))
+        if kind == "deepspeed":
+            _remove_shm_buffers(port)
     if error is not None:
         raise error
     return Run(run_dir=run_dir, returncode=returncode, duration_s=duration, command=cmd, nproc=nproc,
@@ -569,6 +571,16 @@ def _launch(kind: str, cmd_for, script, nproc, args, env, timeout, stall_timeout
 # Errors a rank raises only because a peer died first; never the root cause when another rank has one.
 _SECONDARY = re.compile(r"Connection (reset|closed) by peer|remote process exited|DistBackendError|"
                         r"Socket Timeout|Broken pipe|SIGTERM|Signal 15|NCCL communicator was aborted", re.I)
+
+
+def _remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU comm op maps one shared-memory buffer per rank (tens of MB of RAM in /dev/shm, named after the
+    master port) and never unlinks it; remove this run's once every rank is gone."""
+    for path in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def _agent_attempts(run_dir: Path) -> dict[Path, list[Path]]:

@@ -94,3 +94,66 @@ def memory_by_stage(rows: list[dict], title: str | None = None):
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def comparison(rows: list[dict], title: str | None = None):
+    """Four panels for runs of the same model and data (rows of :func:`helpers.tuning.summary`): memory per rank
+    (model states measured and peak process or GPU memory), samples/s, bytes sent per step, checkpoint size."""
+    plt = _plt()
+    labels = [r["label"] for r in rows]
+    x = list(range(len(rows)))
+    gpu = all(r.get("peak_cuda_mb") is not None for r in rows)
+    peak_key, peak_name = ("peak_cuda_mb", "peak GPU memory") if gpu else ("peak_rss_mb", "peak RSS")
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.4))
+    mem = axes[0][0]
+    width = 0.38
+    states = [r["model_states_mb"] for r in rows]
+    peaks = [r[peak_key] for r in rows]
+    mem.bar([i - width / 2 for i in x], states, width, label="model states (measured)", color="tab:green")
+    mem.bar([i + width / 2 for i in x], peaks, width, label=peak_name, color="tab:gray")
+    mem.set_ylabel("MB per rank (rank 0)")
+    mem.set_title("memory per rank")
+    mem.legend(fontsize=8)
+    panels = ((axes[0][1], "samples_per_s", "samples/s (all ranks)", "throughput", "tab:blue"),
+              (axes[1][0], "comm_mb_per_step", "MB sent per step per rank", "communication", "tab:purple"),
+              (axes[1][1], "checkpoint_mb", "MB on disk", "checkpoint size", "tab:orange"))
+    for ax, key, ylabel, name, color in panels:
+        values = [r.get(key) or 0.0 for r in rows]
+        ax.bar(x, values, color=color)
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+    for i, (s, p) in enumerate(zip(states, peaks)):
+        mem.annotate(f"{s:.0f}", (i - width / 2, s), ha="center", va="bottom", fontsize=8)
+        mem.annotate(f"{p:.0f}", (i + width / 2, p), ha="center", va="bottom", fontsize=8)
+    for ax in (a for row in axes for a in row):
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=20, fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title or "same model, data, global batch, seed and steps")
+    fig.tight_layout()
+    return fig
+
+
+def curves(runs: dict, field: str = "loss", rank: int = 0, title: str | None = None, logy: bool = False, ax=None):
+    """One line per run of a per-step field of one rank. ``runs`` maps a label to a run's records (``Run.metrics``).
+
+    Pass ``ax`` to draw into an existing panel (the figure is returned either way)."""
+    plt = _plt()
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for label, records in runs.items():
+        xs, ys = _metrics.series(records, field, rank)
+        ax.plot(xs, ys, label=label, alpha=0.85)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(field)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title or f"{field} per step (rank {rank})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if fig is not None:
+        fig.tight_layout()
+    return fig or ax.figure

@@ -1,0 +1,99 @@
+"""Gradient accumulation with DDP: do N micro batches give the gradient of one big batch, and what does no_sync() save?
+
+    torchrun --nproc-per-node 2 course/ddp_accumulation_check.py --micro-batches 4 --batch-size 16
+
+From the same weights, each rank computes the gradient of the same N x B images (its shard) three ways:
+
+    big batch     one forward/backward over all N x B images
+    no_sync       N micro batches of B; no_sync() on all but the last, so DDP all-reduces once
+    every step    N micro batches of B without no_sync(): DDP all-reduces after every micro batch
+
+Each micro batch's loss is divided by N, so the micro gradients add up to the big batch's mean gradient. A DDP
+communication hook counts the all-reduce calls and bytes of each way. Every rank reports the largest difference
+between its gradients and the big batch's. (Models with BatchNorm would differ: micro batches see other statistics.)
+"""
+import argparse, contextlib, gc, os, sys, time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers.data import get_datasets
+from helpers.metrics import Reporter
+from helpers.models import SimpleCNN
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description="N accumulated micro batches vs one big batch, under DDP.")
+    p.add_argument("--micro-batches", type=int, default=4, help="N: micro batches per optimizer step")
+    p.add_argument("--batch-size", type=int, default=16, help="B: images per micro batch per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="synthetic")
+    p.add_argument("--data-root", default="data")
+    return p.parse_args()
+
+
+def counting_hook(counter, bucket):
+    """DDP calls this once per gradient bucket it all-reduces; count, then all-reduce (average) as DDP would."""
+    counter["calls"] += 1
+    counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(None, bucket)
+
+
+def gradient(ddp, counter, images, labels, micro_batches, use_no_sync):
+    """The averaged gradient after N micro batches (N=1: one big batch), plus the all-reduces it took."""
+    for p in ddp.parameters():
+        p.grad = None
+    counter.update(calls=0, bytes=0)
+    start = time.perf_counter()
+    for i, (x, y) in enumerate(zip(images.chunk(micro_batches), labels.chunk(micro_batches))):
+        last = i == micro_batches - 1
+        with ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext():
+            (F.cross_entropy(ddp(x), y) / micro_batches).backward()
+    grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    return grads, dict(counter, seconds=time.perf_counter() - start)
+
+
+@record
+def main():
+    args = parse_args()
+    if "RANK" not in os.environ:
+        sys.exit("Launch me with torchrun, e.g.: torchrun --nproc-per-node 2 course/ddp_accumulation_check.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")  # a correctness check: CPU and gloo on any machine
+    rep = Reporter()
+    torch.manual_seed(args.seed)
+    n, b = args.micro_batches, args.batch_size
+    train_ds, _, info = get_datasets(args.dataset, args.data_root, n * b * world_size, 100, args.seed)
+    mine = range(rank * n * b, (rank + 1) * n * b)  # this rank's shard of one global batch
+    images = torch.stack([train_ds[i][0] for i in mine])
+    labels = torch.tensor([train_ds[i][1] for i in mine])
+
+    counter = {"calls": 0, "bytes": 0}
+    ddp = DDP(SimpleCNN(info.num_classes))
+    ddp.register_comm_hook(counter, counting_hook)
+    gradient(ddp, counter, images, labels, 1, False)  # warm-up: DDP re-orders its buckets after the first backward
+    big, big_comm = gradient(ddp, counter, images, labels, 1, False)
+    no_sync, no_sync_comm = gradient(ddp, counter, images, labels, n, True)
+    every, every_comm = gradient(ddp, counter, images, labels, n, False)
+
+    scale = big.abs().max().item()
+    rep.result(micro_batches=n, micro_batch=b, world_size=world_size, global_batch=n * b * world_size,
+               params=big.numel(), grad_max_abs=scale,
+               no_sync_max_abs_diff=(no_sync - big).abs().max().item(),
+               every_step_max_abs_diff=(every - big).abs().max().item(),
+               comm={"big batch": big_comm, "no_sync": no_sync_comm, "every step": every_comm})
+    if rank == 0:
+        print(f"{n} micro batches of {b} vs one batch of {n * b} per rank, {world_size} ranks: max |grad difference| "
+              f"{(no_sync - big).abs().max().item():.2e} (largest gradient {scale:.2e}); all-reduce calls "
+              f"big batch {big_comm['calls']}, no_sync {no_sync_comm['calls']}, every step {every_comm['calls']}",
+              flush=True)
+    del ddp
+    gc.collect()  # free DDP (and the Python comm hook its reducer holds) while the interpreter is fully alive
+    dist.destroy_process_group()
+
+
+main()

@@ -1,0 +1,170 @@
+"""DDP training with the knobs of chapter 05, each a flag, and every step measured.
+
+    torchrun --nproc-per-node 2 course/ddp_tuning.py --steps 30 --clip 1.0 --warmup-steps 10
+    torchrun --nproc-per-node 2 course/ddp_tuning.py --model memory --params 20000000 --steps 5 --save-dir ckpt
+
+This is course/ddp_cifar10.py counted in optimizer steps instead of epochs, plus: gradient clipping (--clip), linear
+LR warmup (--warmup-steps), bf16 autocast (--bf16), gradient accumulation with no_sync() (--accumulation),
+torch.compile (--compile), SGD or AdamW (--optimizer), and a wide MLP of --params parameters (--model memory).
+Every rank reports per optimizer step: loss, gradient norm (before clipping), learning rate, memory (RSS; on a GPU
+also allocated and peak CUDA memory) and step time. Its DeepSpeed twin, course/ds_tuning.py, takes the same flags;
+diff the two to see what the DeepSpeed engine and its config take over.
+"""
+import argparse, contextlib, gc, os, sys, time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from helpers.data import get_datasets
+from helpers.metrics import Reporter
+from helpers.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.tuning import dir_bytes, memory_now, model_state_bytes
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description="DDP training with clipping, warmup, bf16, accumulation, compile.")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="micro batch per rank")
+    p.add_argument("--accumulation", type=int, default=1, help="micro batches per optimizer step")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--clip", type=float, default=None, help="max global gradient norm (clip_grad_norm_)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup from 0 over this many steps")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+    p.add_argument("--model", choices=["cnn", "memory"], default="cnn", help="memory: a wide MLP of --params")
+    p.add_argument("--params", type=int, default=20_000_000, help="parameters of --model memory")
+    p.add_argument("--depth", type=int, default=4, help="layers of --model memory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
+    p.add_argument("--data-root", default="data")
+    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
+    p.add_argument("--save-dir", default=None, help="rank 0 saves model + optimizer state here at the end")
+    return p.parse_args()
+
+
+def counting_hook(counter, bucket):
+    """DDP calls this for every gradient bucket it all-reduces: count calls and bytes, then all-reduce as usual."""
+    counter["calls"] += 1
+    counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(None, bucket)
+
+
+def batches(loader, sampler):
+    """Micro batches forever, reshuffled each epoch: the loop counts optimizer steps, not epochs."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+@record
+def main():
+    args = parse_args()
+    if "RANK" not in os.environ:
+        sys.exit("Launch me with torchrun, e.g.: torchrun --nproc-per-node 2 course/ddp_tuning.py")
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend)
+    try:
+        train(args, rank, local_rank, world_size, device)
+    finally:
+        gc.collect()  # free DDP (and the Python comm hook its reducer holds) while the interpreter is fully alive
+        dist.destroy_process_group()
+
+
+def train(args, rank, local_rank, world_size, device):
+    log = print if rank == 0 else (lambda *a, **k: None)
+    rep = Reporter()
+    torch.manual_seed(args.seed)
+    train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, 100, args.seed)
+    log(info.announcement, flush=True)
+    sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
+    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)
+    rss_start = memory_now(device)["rss_mb"]  # before the model exists: the framework's own share
+
+    model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
+    params = count_parameters(model)
+    # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buckets, one copy instead of two
+    ddp = DDP(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True)
+    comm = {"calls": 0, "bytes": 0}
+    ddp.register_comm_hook(comm, counting_hook)
+    net = torch.compile(ddp) if args.compile else ddp  # compiles on the first forward (the first step is slow)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # linear warmup from 0 to --lr over --warmup-steps optimizer steps, then constant (DeepSpeed: WarmupLR)
+    warmup = lambda s: min(1.0, s / args.warmup_steps) if args.warmup_steps else 1.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+
+    rep.total(args.steps)
+    log(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
+        f"global_batch={args.batch_size * args.accumulation * world_size} steps={args.steps}", flush=True)
+    states, timed_samples, timed_s, first_step_s = None, 0, 0.0, None
+    for step in range(args.steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for micro in range(args.accumulation):
+            images, labels = (t.to(device) for t in next(data))
+            # no_sync(): on all but the last micro batch, skip the all-reduce and let gradients add up locally;
+            # the last backward all-reduces the sum once per optimizer step
+            last = micro == args.accumulation - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                    loss = F.cross_entropy(net(images), labels) / args.accumulation  # mean over the global batch
+                loss.backward()
+            loss_sum += loss.item()
+        lr = scheduler.get_last_lr()[0]
+        # returns the norm BEFORE clipping; without --clip an infinite max norm only measures it
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        if states is None:  # gradients and optimizer state both exist now
+            states = model_state_bytes(model, optimizer)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - start
+        first_step_s = step_s if first_step_s is None else first_step_s
+        if step == 0:
+            comm.update(calls=0, bytes=0)  # count the steps after the first, like the timing
+        else:
+            timed_samples, timed_s = timed_samples + args.batch_size * args.accumulation * world_size, timed_s + step_s
+        rep.step(step, loss=loss_sum, grad_norm=float(grad_norm), lr=lr, step_s=step_s,
+                 samples=args.batch_size * args.accumulation, **memory_now(device))
+        if step % 10 == 0 or step == args.steps - 1:
+            log(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} grad_norm {grad_norm:.3f} lr {lr:.2e}", flush=True)
+
+    checkpoint_bytes = None
+    if args.save_dir:
+        if rank == 0:  # every rank holds the same full state: one copy is the whole checkpoint
+            os.makedirs(args.save_dir, exist_ok=True)
+            path = os.path.join(args.save_dir, "ddp_checkpoint.pt")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)
+            checkpoint_bytes = dir_bytes(args.save_dir)
+        dist.barrier()
+    per_step = {k: v / max(1, args.steps - 1) for k, v in comm.items()}
+    rep.result(model_state_bytes=states, comm_per_step={"all_reduce": per_step})  # every rank: its own
+    if rank == 0:
+        rep.result(framework="ddp", dtype="bf16-autocast" if args.bf16 else "fp32", params=params,
+                   world_size=world_size, global_batch=args.batch_size * args.accumulation * world_size,
+                   rss_start_mb=rss_start, first_step_s=first_step_s, checkpoint_bytes=checkpoint_bytes,
+                   samples_per_s=timed_samples / timed_s if timed_s else None, compiled=args.compile)
+
+
+main()

@@ -1,0 +1,182 @@
+"""course/ddp_tuning.py with the DeepSpeed engine in place of DDP + optimizer + clipping + scheduler + autocast.
+
+    deepspeed --num_gpus 2 course/ds_tuning.py --stage 2 --steps 30 --clip 1.0 --warmup-steps 10
+    deepspeed --num_gpus 2 course/ds_tuning.py --model memory --params 20000000 --stage 3 --offload both --steps 5
+
+(On a machine without GPUs put DS_ACCELERATOR=cpu in front.) The same flags as the DDP script, turned into a
+ds_config by helpers.dsconfig.build: --clip is gradient_clipping, --warmup-steps a WarmupLR scheduler, --bf16 the
+bf16 section (weights and gradients in bf16, fp32 master copy in the optimizer), --accumulation
+gradient_accumulation_steps; --stage and --offload pick ZeRO's partitioning. Every rank reports the same per-step
+fields as the DDP script, plus the model-state bytes it holds, read from the engine.
+"""
+import argparse, os, sys, time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from deepspeed.comm import comm as ds_comm
+from helpers import dsconfig
+from helpers.data import get_datasets
+from helpers.memory import measured_model_state_bytes
+from helpers.metrics import Reporter
+from helpers.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.tuning import dir_bytes, memory_now
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description="DeepSpeed twin of course/ddp_tuning.py (launch with deepspeed).")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="micro batch per rank")
+    p.add_argument("--accumulation", type=int, default=1, help="micro batches per optimizer step")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--clip", type=float, default=None, help="max global gradient norm (gradient_clipping)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear WarmupLR from 0 over this many steps")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights and gradients, fp32 master copy")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
+    p.add_argument("--offload", choices=["optimizer", "param", "both"], default=None, help="ZeRO offload to CPU")
+    p.add_argument("--bucket-size", type=int, default=None, help="ZeRO reduce/allgather bucket, in elements")
+    p.add_argument("--count-comms", action="store_true",
+                   help="DeepSpeed's comms_logger counts every collective (synchronises after each: slower on GPUs)")
+    p.add_argument("--model", choices=["cnn", "memory"], default="cnn", help="memory: a wide MLP of --params")
+    p.add_argument("--params", type=int, default=20_000_000, help="parameters of --model memory")
+    p.add_argument("--depth", type=int, default=4, help="layers of --model memory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
+    p.add_argument("--data-root", default="data")
+    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
+    p.add_argument("--save-dir", default=None, help="every rank saves its shard of a DeepSpeed checkpoint here")
+    p.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher (LOCAL_RANK is used)")
+    return p.parse_args()
+
+
+def ds_config(args, world_size):
+    """The flags as a ds_config, checked (batch rule, dtype on this device, offload vs stage) before DeepSpeed."""
+    zero = {}
+    if args.bucket_size:  # the defaults (5e8 elements) are sized for big GPUs
+        zero = {"reduce_bucket_size": args.bucket_size, "allgather_bucket_size": args.bucket_size,
+                "stage3_prefetch_bucket_size": args.bucket_size}
+    config = dsconfig.build(stage=args.stage, dtype="bf16" if args.bf16 else "fp32", micro_batch=args.batch_size,
+                            accumulation=args.accumulation, world_size=world_size, lr=args.lr,
+                            optimizer="SGD" if args.optimizer == "sgd" else "AdamW", warmup_steps=args.warmup_steps,
+                            clip=args.clip or 0.0, offload=args.offload, zero=zero)
+    # clip=0.0 is "off", as without --clip in the DDP script: left out, DeepSpeed >= 0.19 clips at 1.0 by default
+    if args.count_comms:
+        config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False}
+    if args.optimizer == "sgd":  # any torch.optim class by name; ZeRO asks to be told it is untested with it
+        config["optimizer"]["params"] = {"lr": args.lr, "momentum": args.momentum}
+        config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def batches(loader, sampler):
+    """Micro batches forever, reshuffled each epoch: the loop counts optimizer steps, not epochs."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def forget_shm_buffer(rank):
+    """On CPUs DeepSpeed all-reduces through one shared-memory buffer per rank in /dev/shm (69 MB each) and never
+    removes it, so every run would leave its buffers in RAM. Once every rank has mapped every buffer (inside
+    init_distributed), remove the names: the mappings stay valid, and the OS frees them when the ranks exit."""
+    dist.barrier()
+    env = os.environ
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{rank}"
+    if os.path.exists(name):
+        os.unlink(name)
+
+
+@record
+def main():
+    args = parse_args()
+    if "RANK" not in os.environ:
+        sys.exit("Launch me with deepspeed, e.g.: deepspeed --num_gpus 2 course/ds_tuning.py")
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    forget_shm_buffer(rank)
+    try:
+        train(args, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args, rank, world_size, device):
+    log = print if rank == 0 else (lambda *a, **k: None)
+    rep = Reporter()
+    torch.manual_seed(args.seed)
+    train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, 100, args.seed)
+    log(info.announcement, flush=True)
+    sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
+    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)
+    rss_start = memory_now(device)["rss_mb"]  # before the model exists: the framework's own share
+
+    model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
+    params = count_parameters(model)  # before ZeRO-3 partitions them away
+    # one call replaces DDP(...), the optimizer, the LR scheduler, clipping and mixed precision
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(args, world_size))
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+
+    rep.total(args.steps)
+    log(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
+        f"zero_stage={args.stage} global_batch={engine.train_batch_size()} steps={args.steps}", flush=True)
+    states, timed_samples, timed_s, first_step_s = None, 0, 0.0, None
+    for step in range(args.steps):
+        start = time.perf_counter()
+        lr = engine.get_lr()[0]  # the rate this step uses; WarmupLR moves on inside engine.step()
+        loss_sum = 0.0
+        for micro in range(args.accumulation):
+            images, labels = next(data)
+            loss = F.cross_entropy(engine(images.to(device, dtype)), labels.to(device))
+            engine.backward(loss)  # divides by gradient_accumulation_steps; reduces only at the boundary
+            if states is None and step == 1:  # gradients live and optimizer state exists
+                states = measured_model_state_bytes(engine)
+            engine.step()  # at the boundary: clip, optimizer and LR step, zero the gradients
+            loss_sum += loss.item() / args.accumulation
+        norm = engine.get_global_grad_norm()  # before clipping; None where nothing needed it (stage 0, no clip)
+        grad_norm = {} if norm is None else {"grad_norm": float(norm)}
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - start
+        first_step_s = step_s if first_step_s is None else first_step_s
+        if step == 0:
+            ds_comm.comms_logger.comms_dict.clear()  # count the steps after the first, like the timing
+        else:
+            timed_samples, timed_s = timed_samples + engine.train_batch_size(), timed_s + step_s
+        rep.step(step, loss=loss_sum, **grad_norm, lr=lr, step_s=step_s,
+                 samples=args.batch_size * args.accumulation, **memory_now(device))
+        if step % 10 == 0 or step == args.steps - 1:
+            log(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} lr {lr:.2e}", flush=True)
+
+    checkpoint_bytes = None
+    if args.save_dir:  # ALL ranks call it: under ZeRO each rank holds a shard no other rank has
+        engine.save_checkpoint(args.save_dir)
+        dist.barrier()
+        checkpoint_bytes = dir_bytes(args.save_dir) if rank == 0 else None
+    # comms_dict: {collective: {message bytes: [calls, ...]}}; message = the buffer handed to the collective
+    per_step = {op: {"calls": sum(v[0] for v in sizes.values()) / max(1, args.steps - 1),
+                     "bytes": sum(size * v[0] for size, v in sizes.items()) / max(1, args.steps - 1)}
+                for op, sizes in ds_comm.comms_logger.comms_dict.items()}
+    rep.result(model_state_bytes=states, comm_per_step=per_step or None)
+    if rank == 0:
+        rep.result(framework="deepspeed", zero_stage=args.stage, offload=args.offload,
+                   dtype="bf16" if args.bf16 else "fp32", params=params, world_size=world_size,
+                   global_batch=engine.train_batch_size(), rss_start_mb=rss_start, first_step_s=first_step_s,
+                   checkpoint_bytes=checkpoint_bytes, samples_per_s=timed_samples / timed_s if timed_s else None)
+
+
+main()

@@ -1,0 +1,224 @@
+"""The tuning chapter's measurements: helpers.tuning, and course/ddp_tuning.py, course/ds_tuning.py and
+course/ddp_accumulation_check.py launched for real on two CPU ranks (the slow tests)."""
+import math
+
+import pytest
+import torch
+
+from helpers import launch, metrics, tuning
+from helpers.models import SimpleCNN, count_parameters
+
+DATA = ["--dataset", "synthetic", "--train-size", "1000", "--batch-size", "16"]
+TIMEOUT_S = 600  # the first DeepSpeed launch on a machine JIT-builds its CPU communication op
+
+
+# --------------------------------------------------------------------------------------------- fast
+
+
+def test_torch_warmup_formula_matches_lambdalr():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / 4))
+    seen = []
+    for _ in range(7):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([tuning.torch_warmup_lr(k, 0.3, 4) for k in range(7)])
+    assert seen[0] == 0.0 and seen[4:] == pytest.approx([0.3] * 3)
+
+
+def test_deepspeed_warmup_formula_matches_warmuplr_stepped_like_the_engine():
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3)
+    scheduler = WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=0.3, warmup_num_steps=4, warmup_type="linear")
+    seen = []
+    for _ in range(8):  # the engine reads the rate, steps the optimizer, then steps the scheduler
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([tuning.deepspeed_warmup_lr(k, 0.3, 4) for k in range(8)])
+    assert seen[:2] == [0.0, 0.0], "with warmup_min_lr 0, WarmupLR's first two steps change nothing"
+
+
+def test_warmup_formulas_without_warmup_are_constant():
+    assert tuning.torch_warmup_lr(0, 0.1, 0) == tuning.deepspeed_warmup_lr(0, 0.1, 0) == 0.1
+
+
+@pytest.mark.parametrize("op, message, expected", [
+    ("all_reduce", 1000, 1000.0),                    # 2 S (N-1)/N at N=2
+    ("reduce_scatter_tensor", 1000, 500.0),          # S (N-1)/N
+    ("all_gather_into_tensor", 500, 500.0),          # shard s, (N-1) s
+    ("broadcast", 7, 7.0),
+])
+def test_bytes_sent_per_rank_uses_ring_costs(op, message, expected):
+    assert tuning.bytes_sent_per_rank(op, message, 2) == expected
+
+
+def test_bytes_sent_per_rank_grows_towards_twice_the_buffer_for_all_reduce():
+    assert tuning.bytes_sent_per_rank("all_reduce", 1000, 8) == pytest.approx(1750.0)
+
+
+def test_model_state_bytes_counts_params_grads_and_adamw_state_once():
+    torch.manual_seed(0)
+    model = SimpleCNN()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    p, tensors = count_parameters(model), len(list(model.parameters()))
+    states = tuning.model_state_bytes(model, optimizer)
+    # AdamW: exp_avg and exp_avg_sq per parameter, plus a 4-byte fp32 step counter per tensor
+    assert states == {"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p + 4 * tensors, "total": 16 * p + 4 * tensors}
+
+
+def test_model_state_bytes_counts_a_shared_storage_once():
+    flat = torch.zeros(10)
+    a, b = torch.nn.Parameter(flat[:5]), torch.nn.Parameter(flat[5:])  # views of one buffer, like DDP's buckets
+    module = torch.nn.Module()
+    module.a, module.b = a, b
+    a.grad, b.grad = torch.zeros(5), torch.zeros(5)
+    states = tuning.model_state_bytes(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    assert states["params"] == 40 and states["grads"] == 40 and states["optimizer"] == 0
+
+
+def test_dir_bytes_sums_files_of_a_folder_and_reads_one_file(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"y" * 5)
+    assert tuning.dir_bytes(tmp_path) == 15 and tuning.dir_bytes(tmp_path / "a") == 10
+
+
+def test_table_leaves_out_columns_no_row_has():
+    text = tuning.table([{"label": "DDP", "model_states_mb": 304.2, "final_loss": 1.5},
+                         {"label": "ZeRO-3", "model_states_mb": 190.0, "final_loss": None}])
+    header, rule, *rows = text.splitlines()
+    assert "model states MB/rank" in header and "final loss" in header and "samples/s" not in header
+    assert rows[0].split() == ["DDP", "304", "1.5000"] and rows[1].split() == ["ZeRO-3", "190", "-"]
+
+
+# --------------------------------------------------------------------------------------------- launched
+
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HELPERS_RUNS_DIR", str(root))
+        yield root
+
+
+def _ddp(args, **kw):
+    return launch.torchrun("course/ddp_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none", **kw)
+
+
+def _ds(args):
+    return launch.deepspeed("course/ds_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none")
+
+
+def _losses(run, rank=0):
+    return [r["loss"] for r in metrics.steps(run.metrics, rank)]
+
+
+@slow
+def test_n_micro_batches_with_no_sync_give_the_big_batch_gradient_with_one_all_reduce(runs_root):
+    run = launch.torchrun("course/ddp_accumulation_check.py", nproc=2, timeout=TIMEOUT_S, show="none",
+                          args=["--micro-batches", "4", "--batch-size", "8"])
+    results = run.results_by_rank()
+    assert set(results) == {0, 1}
+    for r in results.values():
+        tol = 1e-5 * r["grad_max_abs"]
+        assert r["no_sync_max_abs_diff"] <= tol and r["every_step_max_abs_diff"] <= tol
+        comm = r["comm"]
+        assert comm["no_sync"]["calls"] == comm["big batch"]["calls"] >= 1
+        assert comm["no_sync"]["bytes"] == comm["big batch"]["bytes"] == 4 * r["params"]  # fp32 gradients, once
+        assert comm["every step"]["bytes"] == 4 * comm["big batch"]["bytes"]
+
+
+@slow
+def test_ddp_and_deepspeed_fp32_runs_compute_the_same_losses(runs_root):
+    """Same seed, data, order and optimizer: only the engine differs (and DeepSpeed's default clipping is off)."""
+    ddp = _ddp(["--steps", "5", "--accumulation", "2"])
+    ds = _ds(["--steps", "5", "--accumulation", "2", "--stage", "2", "--count-comms"])
+    assert _losses(ddp) == pytest.approx(_losses(ds), rel=1e-5)
+    assert ddp.result["global_batch"] == ds.result["global_batch"] == 16 * 2 * 2
+    # what each rank sends per optimizer step: DDP all-reduces the gradients once (no_sync on the first micro batch)
+    params = ddp.result["params"]
+    assert tuning.comm_per_step(ddp)["all_reduce"]["bytes"] == 4 * params
+    assert tuning.comm_per_step(ds)["total_sent_bytes"] > 0
+
+
+def _update_norm(run, save_dir, load):
+    """||weights after one step - initial weights||, the initial ones rebuilt from the same seed."""
+    torch.manual_seed(0)
+    before = SimpleCNN().state_dict()
+    after = load(save_dir)
+    return math.sqrt(sum(((after[k].float() - before[k]) ** 2).sum().item() for k in before))
+
+
+@slow
+def test_clip_grad_norm_bounds_the_applied_update(runs_root):
+    """Plain SGD (no momentum) at lr 1: the update IS the clipped gradient, so its norm must equal the clip."""
+    save = runs_root / "ddp_clip"
+    run = _ddp(["--steps", "1", "--optimizer", "sgd", "--momentum", "0", "--lr", "1.0", "--clip", "0.5",
+                "--save-dir", save])
+    reported = metrics.steps(run.metrics, 0)[0]["grad_norm"]
+    assert reported > 0.5, "the test needs a gradient larger than the clip"
+    moved = _update_norm(run, save, lambda d: torch.load(d / "ddp_checkpoint.pt", map_location="cpu")["model"])
+    assert moved == pytest.approx(0.5, rel=1e-4)
+    assert run.result["checkpoint_bytes"] == tuning.dir_bytes(save)
+
+
+@slow
+def test_deepspeed_gradient_clipping_bounds_the_applied_update(runs_root):
+    save = runs_root / "ds_clip"
+    run = _ds(["--steps", "1", "--optimizer", "sgd", "--momentum", "0", "--lr", "1.0", "--clip", "0.5",
+               "--stage", "1", "--save-dir", save])
+
+    def load(d):
+        tag = (d / "latest").read_text().strip()
+        return torch.load(d / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+
+    assert metrics.steps(run.metrics, 0)[0]["grad_norm"] > 0.5
+    assert _update_norm(run, save, load) == pytest.approx(0.5, rel=1e-4)
+
+
+@slow
+def test_warmup_rates_in_real_runs_follow_the_formulas(runs_root):
+    ddp = _ddp(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01"])
+    ds = _ds(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01", "--stage", "1"])
+    for run, formula in ((ddp, tuning.torch_warmup_lr), (ds, tuning.deepspeed_warmup_lr)):
+        lrs = [r["lr"] for r in metrics.steps(run.metrics, 0)]
+        assert lrs == pytest.approx([formula(k, 0.01, 3) for k in range(6)])
+
+
+@slow
+def test_bf16_runs_on_cpu_autocast_keeps_fp32_states_and_deepspeed_stores_bf16_weights(runs_root):
+    ddp = _ddp(["--steps", "3", "--bf16"])
+    ds = _ds(["--steps", "3", "--bf16", "--stage", "2"])
+    assert ddp.result["dtype"] == "bf16-autocast" and ds.result["dtype"] == "bf16"
+    for run in (ddp, ds):
+        assert all(math.isfinite(x) for x in _losses(run))
+    p = ddp.result["params"]
+    assert ddp.result["model_state_bytes"]["params"] == 4 * p  # autocast: the weights stay fp32
+    assert ds.result["model_state_bytes"]["params"] == pytest.approx(2 * p, rel=1e-3)  # bf16 weights
+
+
+@slow
+def test_every_rank_reports_memory_and_step_time_each_step(runs_root):
+    run = _ddp(["--steps", "3", "--model", "memory", "--params", "1000000"])
+    for rank in (0, 1):
+        records = metrics.steps(run.metrics, rank)
+        assert [r["step"] for r in records] == [0, 1, 2]
+        assert all(r["rss_mb"] > 0 and r["step_s"] > 0 for r in records)
+    row = tuning.summary(run, "DDP")
+    assert row["model_states_mb"] * 2**20 == pytest.approx(16 * run.result["params"], rel=1e-3)
+    assert set(row["peak_rss_mb_by_rank"]) == {0, 1}
+
+
+@slow
+def test_compiled_ddp_trains_like_eager(runs_root):
+    eager = _ddp(["--steps", "4"])
+    compiled = _ddp(["--steps", "4", "--compile"])
+    assert compiled.result["compiled"] is True
+    assert _losses(compiled) == pytest.approx(_losses(eager), abs=1e-3)
