@@ -40,6 +40,8 @@ regen: setup           ## instructors: re-execute notebooks in place, strip vola
 
 bench: setup           ## benchmarks: printed ratios, not pass/fail tests
 	$(PY) benchmarks/bench_launcher.py
+	$(PY) benchmarks/bench_ddp.py
+	$(PY) benchmarks/bench_ds_first_launch.py
 
 clean:
 	rm -rf build runs
