@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import psutil
 
@@ -268,6 +268,29 @@ def kill_tree(procs: Iterable[psutil.Process], grace: float = 3.0) -> None:
 # the launch itself
 
 
+class _FileTail:
+    """Follows a file another process appends to: each call returns what grew since the last one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> tuple[bool, list[bytes]]:
+        """(whether the file grew, the complete new lines); a line still being written waits for its end."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return False, []
+        if not chunk:
+            return False, []
+        self.offset += len(chunk)
+        *complete, self.partial = (self.partial + chunk).split(b"\n")
+        return True, complete
+
+
 class _Session:
     """One running launcher: reads its output, tails logs and metrics, enforces limits."""
 
@@ -283,8 +306,7 @@ class _Session:
         self.first_traceback: dict[int, float] = {}
         self.launcher_tail: list[str] = []
         self.lines: queue.Queue = queue.Queue()
-        self.metrics_offset = 0
-        self.metrics_partial = b""
+        self.metrics_tail = _FileTail(run_dir / _metrics.METRICS_FILE)
         self.progress = None
         self.total_steps = None
         self.known: dict[int, psutil.Process] = {}
@@ -299,8 +321,7 @@ class _Session:
                                      start_new_session=True)
         self.reader = threading.Thread(target=self._read_pipe, daemon=True)
         self.reader.start()
-        self.file_offsets: dict[Path, int] = {}
-        self.file_partial: dict[Path, str] = {}
+        self.rank_file_tails: dict[Path, _FileTail] = {}
 
     # -- input
     def _read_pipe(self) -> None:
@@ -363,37 +384,19 @@ class _Session:
             m = re.search(r"_rank(\d+)\.log$", path.name)
             if not m:
                 continue
-            offset = self.file_offsets.get(path, 0)
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-            if not chunk:
-                continue
-            self.file_offsets[path] = offset + len(chunk)
-            text = self.file_partial.get(path, "") + chunk.decode("utf-8", "replace")
-            *complete, rest = text.split("\n")
-            self.file_partial[path] = rest
-            self.last_activity = time.monotonic()
-            for line in complete:
-                self._rank_line(int(m.group(1)), line)
+            grew, lines = self.rank_file_tails.setdefault(path, _FileTail(path)).read()
+            if grew:
+                self.last_activity = time.monotonic()
+            for line in lines:
+                self._rank_line(int(m.group(1)), line.decode("utf-8", "replace"))
 
     def _read_metrics(self) -> None:
-        path = self.run_dir / _metrics.METRICS_FILE
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+        grew, lines = self.metrics_tail.read()
+        if not grew:
             return
-        if size <= self.metrics_offset:
-            return
-        with open(path, "rb") as f:
-            f.seek(self.metrics_offset)
-            chunk = f.read()
-        self.metrics_offset += len(chunk)
         self.last_activity = time.monotonic()
         self.alive = True
-        data = self.metrics_partial + chunk
-        *complete, self.metrics_partial = data.split(b"\n")
-        for line in complete:
+        for line in lines:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:

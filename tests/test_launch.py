@@ -36,13 +36,6 @@ DS_CONFIG = {
 }
 
 
-@pytest.fixture
-def runs_root(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "runs"
-    monkeypatch.setenv("HELPERS_RUNS_DIR", str(root))
-    return root
-
-
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

@@ -33,18 +33,6 @@ FAIL_ONCE = "tests/scripts/fail_once.py"
 # helpers
 
 
-@pytest.fixture
-def runs_root(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "runs"
-    monkeypatch.setenv("HELPERS_RUNS_DIR", str(root))
-    return root
-
-
-@pytest.fixture
-def children_before() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE

@@ -5,7 +5,7 @@ import pytest
 
 from helpers import launch
 from helpers.launch import LaunchError
-from test_launch_faults import assert_no_survivors, children_before, runs_root  # noqa: F401 (fixtures)
+from test_launch_faults import assert_no_survivors
 
 STEPS = "tests/scripts/steps.py"
 
