@@ -179,8 +179,8 @@ def check_shard(answer_indices, *, n: int, world_size: int, rank: int, epoch: in
     total = per_rank * world_size
     for other in range(world_size):
         if other != rank and got == _shard(n, world_size, other, epoch, seed):
-            return Verdict(False, wrong, f"That is another rank's shard. Each rank takes every "
-                                         f"world_size-th entry of the shuffled order, starting at its own rank.")
+            return Verdict(False, wrong, "That is another rank's shard. Each rank takes every "
+                                         "world_size-th entry of the shuffled order, starting at its own rank.")
     for other_epoch in range(epoch + 3):
         if other_epoch != epoch and got == _shard(n, world_size, rank, other_epoch, seed):
             extra = " (the order you get when set_epoch is never called)" if other_epoch == 0 else ""

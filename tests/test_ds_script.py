@@ -22,19 +22,11 @@ def _config(stage):
 
 
 @pytest.fixture(scope="module")
-def runs_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HELPERS_RUNS_DIR", str(root))
-        yield root
-
-
-@pytest.fixture(scope="module")
-def stage_runs(runs_root):
+def stage_runs(module_runs_root):
     """One run per ZeRO stage on the same data and seed, each saving a checkpoint: {stage: (Run, ckpt dir)}."""
     out = {}
     for stage in range(4):
-        ckpt = runs_root / f"ckpt_stage{stage}"
+        ckpt = module_runs_root / f"ckpt_stage{stage}"
         out[stage] = launch.deepspeed(SCRIPT, nproc=2, config=_config(stage), timeout=TIMEOUT_S, show="none",
                                       args=[*DATA, "--save-dir", ckpt], name=f"stage{stage}"), ckpt
     return out
@@ -89,10 +81,10 @@ def _fp32_weights(ckpt_dir, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_checkpoint_save_then_load_round_trips_the_parameters(stage_runs, runs_root, stage):
+def test_checkpoint_save_then_load_round_trips_the_parameters(stage_runs, module_runs_root, stage):
     """Load the checkpoint on both ranks, train 0 steps, save again: same weights, same step, same accuracy."""
     first, ckpt = stage_runs[stage]
-    again = runs_root / f"again_stage{stage}"
+    again = module_runs_root / f"again_stage{stage}"
     run = launch.deepspeed(SCRIPT, nproc=2, config=_config(stage), timeout=TIMEOUT_S, show="none",
                            args=[*DATA, "--load-dir", ckpt, "--steps", "0", "--save-dir", again])
     assert f"resumed from {ckpt}" in run.log(0)
@@ -119,14 +111,14 @@ def test_consolidated_fp32_weights_of_a_zero3_checkpoint_load_into_simple_cnn(st
     assert accuracy == pytest.approx(run.result["test_accuracy"], abs=1.5 / len(test_ds))
 
 
-def test_fp16_on_cpu_is_refused_with_what_to_change(runs_root):
+def test_fp16_on_cpu_is_refused_with_what_to_change(module_runs_root):
     with pytest.raises(launch.LaunchError) as info:
         launch.deepspeed(SCRIPT, nproc=2, config=_config(0), timeout=TIMEOUT_S, show="none",
                          args=[*DATA, "--dtype", "fp16", "--steps", "1"])
     assert 'set "bf16": {"enabled": true}' in str(info.value)
 
 
-def test_config_file_stage_and_dtype_are_overridden_by_the_flags(runs_root, tmp_path):
+def test_config_file_stage_and_dtype_are_overridden_by_the_flags(module_runs_root, tmp_path):
     path = dsconfig.save(dsconfig.build(stage=0, micro_batch=16, world_size=2), tmp_path / "ds.json")
     run = launch.deepspeed(SCRIPT, nproc=2, config=path, timeout=TIMEOUT_S, show="none",
                            args=[*DATA, "--stage", "2", "--dtype", "bf16", "--steps", "3"])

@@ -19,7 +19,6 @@ does not matter which agent got RANK 0 in the two-node run, or how gloo split th
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import uuid

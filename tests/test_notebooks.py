@@ -1,6 +1,5 @@
 """The committed notebooks are in a state nbval can validate and an instructor can trust."""
 import json
-from pathlib import Path
 
 import pytest
 

@@ -100,14 +100,6 @@ def test_table_leaves_out_columns_no_row_has():
 slow = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runs_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HELPERS_RUNS_DIR", str(root))
-        yield root
-
-
 def _ddp(args, **kw):
     return launch.torchrun("course/ddp_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none", **kw)
 
@@ -121,7 +113,7 @@ def _losses(run, rank=0):
 
 
 @slow
-def test_n_micro_batches_with_no_sync_give_the_big_batch_gradient_with_one_all_reduce(runs_root):
+def test_n_micro_batches_with_no_sync_give_the_big_batch_gradient_with_one_all_reduce(module_runs_root):
     run = launch.torchrun("course/ddp_accumulation_check.py", nproc=2, timeout=TIMEOUT_S, show="none",
                           args=["--micro-batches", "4", "--batch-size", "8"])
     results = run.results_by_rank()
@@ -136,7 +128,7 @@ def test_n_micro_batches_with_no_sync_give_the_big_batch_gradient_with_one_all_r
 
 
 @slow
-def test_ddp_and_deepspeed_fp32_runs_compute_the_same_losses(runs_root):
+def test_ddp_and_deepspeed_fp32_runs_compute_the_same_losses(module_runs_root):
     """Same seed, data, order and optimizer: only the engine differs (and DeepSpeed's default clipping is off)."""
     ddp = _ddp(["--steps", "5", "--accumulation", "2"])
     ds = _ds(["--steps", "5", "--accumulation", "2", "--stage", "2", "--count-comms"])
@@ -157,9 +149,9 @@ def _update_norm(run, save_dir, load):
 
 
 @slow
-def test_clip_grad_norm_bounds_the_applied_update(runs_root):
+def test_clip_grad_norm_bounds_the_applied_update(module_runs_root):
     """Plain SGD (no momentum) at lr 1: the update IS the clipped gradient, so its norm must equal the clip."""
-    save = runs_root / "ddp_clip"
+    save = module_runs_root / "ddp_clip"
     run = _ddp(["--steps", "1", "--optimizer", "sgd", "--momentum", "0", "--lr", "1.0", "--clip", "0.5",
                 "--save-dir", save])
     reported = metrics.steps(run.metrics, 0)[0]["grad_norm"]
@@ -170,8 +162,8 @@ def test_clip_grad_norm_bounds_the_applied_update(runs_root):
 
 
 @slow
-def test_deepspeed_gradient_clipping_bounds_the_applied_update(runs_root):
-    save = runs_root / "ds_clip"
+def test_deepspeed_gradient_clipping_bounds_the_applied_update(module_runs_root):
+    save = module_runs_root / "ds_clip"
     run = _ds(["--steps", "1", "--optimizer", "sgd", "--momentum", "0", "--lr", "1.0", "--clip", "0.5",
                "--stage", "1", "--save-dir", save])
 
@@ -184,7 +176,7 @@ def test_deepspeed_gradient_clipping_bounds_the_applied_update(runs_root):
 
 
 @slow
-def test_warmup_rates_in_real_runs_follow_the_formulas(runs_root):
+def test_warmup_rates_in_real_runs_follow_the_formulas(module_runs_root):
     ddp = _ddp(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01"])
     ds = _ds(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01", "--stage", "1"])
     for run, formula in ((ddp, tuning.torch_warmup_lr), (ds, tuning.deepspeed_warmup_lr)):
@@ -193,7 +185,7 @@ def test_warmup_rates_in_real_runs_follow_the_formulas(runs_root):
 
 
 @slow
-def test_bf16_runs_on_cpu_autocast_keeps_fp32_states_and_deepspeed_stores_bf16_weights(runs_root):
+def test_bf16_runs_on_cpu_autocast_keeps_fp32_states_and_deepspeed_stores_bf16_weights(module_runs_root):
     ddp = _ddp(["--steps", "3", "--bf16"])
     ds = _ds(["--steps", "3", "--bf16", "--stage", "2"])
     assert ddp.result["dtype"] == "bf16-autocast" and ds.result["dtype"] == "bf16"
@@ -205,7 +197,7 @@ def test_bf16_runs_on_cpu_autocast_keeps_fp32_states_and_deepspeed_stores_bf16_w
 
 
 @slow
-def test_every_rank_reports_memory_and_step_time_each_step(runs_root):
+def test_every_rank_reports_memory_and_step_time_each_step(module_runs_root):
     run = _ddp(["--steps", "3", "--model", "memory", "--params", "1000000"])
     for rank in (0, 1):
         records = metrics.steps(run.metrics, rank)
@@ -217,7 +209,7 @@ def test_every_rank_reports_memory_and_step_time_each_step(runs_root):
 
 
 @slow
-def test_compiled_ddp_trains_like_eager(runs_root):
+def test_compiled_ddp_trains_like_eager(module_runs_root):
     eager = _ddp(["--steps", "4"])
     compiled = _ddp(["--steps", "4", "--compile"])
     assert compiled.result["compiled"] is True
