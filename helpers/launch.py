@@ -23,6 +23,7 @@ import json
 import math
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -199,10 +200,34 @@ def _check_timeouts(timeout, stall_timeout) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it), so a busy 29500 never matters."""
+    """A TCP port nobody listens on right now, so a busy 29500 never matters.
+
+    Between this check and the moment rank 0 (or the torchrun agent) binds the port, seconds pass. A port from the
+    kernel's ephemeral range could meanwhile become the source port of any outgoing connection -- gloo opens many --
+    and the run would die with EADDRINUSE. So the port comes from just below that range, which the kernel never
+    hands out on its own; only where no such range exists does the OS pick one."""
+    eph_low, _ = _ephemeral_port_range()
+    candidates = range(max(10000, eph_low - 12000), eph_low)
+    rng = random.SystemRandom()  # forked or concurrent callers must not walk the same sequence
+    for port in rng.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for automatically chosen source ports (Linux default 32768-60999)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535  # the IANA dynamic range, which macOS and Windows use
 
 
 def _new_run_dir(name: str) -> Path:

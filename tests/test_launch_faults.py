@@ -359,3 +359,34 @@ def test_failure_after_restarts_are_used_up_is_reported(runs_root, children_befo
     assert attempts(e.run_dir) == 2  # it was restarted once before giving up
     assert len(rank_pids(e.run_dir)[1]) == 2
     assert_no_survivors(e.run_dir, children_before)
+
+
+def test_free_port_avoids_the_ephemeral_range():
+    """gloo's outgoing connections take source ports from the kernel's ephemeral range; a master port from that
+    range can be taken between the pick and rank 0's bind (seen as EADDRINUSE when two runs overlapped)."""
+    low, high = launch._ephemeral_port_range()
+    ports = {launch.free_port() for _ in range(20)}
+    assert all(not low <= p <= high for p in ports), (ports, low, high)
+    assert len(ports) > 1  # random, so concurrent launchers rarely pick the same one
+
+
+def test_free_port_skips_ports_in_use(monkeypatch):
+    monkeypatch.setattr(launch, "_ephemeral_port_range", lambda: (10003, 60999))  # candidates 10000-10002
+    blockers = []
+    try:
+        for port in (10000, 10002):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            blockers.append(s)
+            try:
+                s.bind(("127.0.0.1", port))
+                s.listen(1)
+            except OSError as err:
+                pytest.skip(f"cannot occupy port {port} for the test: {err}")
+        try:
+            socket.create_server(("127.0.0.1", 10001)).close()
+        except OSError as err:
+            pytest.skip(f"port 10001 is busy on this machine: {err}")
+        assert {launch.free_port() for _ in range(10)} == {10001}
+    finally:
+        for s in blockers:
+            s.close()
