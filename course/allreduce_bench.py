@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from helpers.env import bus_bandwidth  # noqa: E402
 from helpers.metrics import Reporter  # noqa: E402
+from helpers.ranks import end_rank  # noqa: E402
 
 UNITS = {"kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "b": 1}
 
@@ -90,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

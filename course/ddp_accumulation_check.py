@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from helpers.data import get_datasets
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN
+from helpers.ranks import end_rank
 
 
 def parse_args():
@@ -96,4 +97,4 @@ def main():
     dist.destroy_process_group()
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

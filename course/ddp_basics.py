@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from helpers.metrics import Reporter  # noqa: E402  (no-op unless HELPERS_RUN_DIR is set)
+from helpers.ranks import end_rank  # noqa: E402
 
 
 @record
@@ -55,4 +56,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 from helpers.data import get_datasets
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN
+from helpers.ranks import end_rank
 
 
 def parse_args():
@@ -145,4 +146,4 @@ def train(args, rank, local_rank, world_size, device):
                    train_seconds=train_seconds, samples_per_s=samples * world_size / train_seconds, **memory)
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 from helpers.data import get_datasets
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.ranks import end_rank
 from helpers.tuning import dir_bytes, memory_now, model_state_bytes
 
 
@@ -167,4 +168,4 @@ def train(args, rank, local_rank, world_size, device):
                    samples_per_s=timed_samples / timed_s if timed_s else None, compiled=args.compile)
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

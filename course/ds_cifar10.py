@@ -26,6 +26,7 @@ from helpers.data import get_datasets
 from helpers.memory import measured_model_state_bytes
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.ranks import end_rank
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -171,4 +172,4 @@ def train(args, rank, world_size, device):
                    samples_per_s=samples * world_size / train_seconds, **memory)
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

@@ -25,6 +25,7 @@ from helpers.data import get_datasets
 from helpers.memory import measured_model_state_bytes
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.ranks import end_rank
 from helpers.tuning import dir_bytes, memory_now
 
 
@@ -179,4 +180,4 @@ def train(args, rank, world_size, device):
                    checkpoint_bytes=checkpoint_bytes, samples_per_s=timed_samples / timed_s if timed_s else None)
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

@@ -25,6 +25,7 @@ from helpers.checkpoint import latest_snapshot, load_snapshot, save_atomic, save
 from helpers.data import get_datasets
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN
+from helpers.ranks import end_rank
 
 
 def parse_args():
@@ -180,4 +181,4 @@ def train(args, rank, local_rank, world_size, device, restart_count):
                world_size=world_size, checkpoint=final, dataset=info.name)
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

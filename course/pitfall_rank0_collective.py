@@ -12,11 +12,15 @@ only the printing stays on rank 0.
 """
 import argparse
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from helpers.ranks import end_rank  # noqa: E402
 
 
 @record
@@ -48,4 +52,4 @@ def main():
         dist.destroy_process_group()
 
 
-main()
+end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py

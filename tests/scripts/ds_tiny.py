@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.metrics import Reporter
+from helpers.ranks import end_rank
 
 
 def main():
@@ -40,4 +41,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    end_rank(main())

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from helpers.metrics import Reporter
+from helpers.ranks import end_rank
 
 
 @record
@@ -45,4 +46,4 @@ def main():
         dist.destroy_process_group()
 
 
-main()
+end_rank(main())

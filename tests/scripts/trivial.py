@@ -2,8 +2,11 @@
 import torch
 import torch.distributed as dist
 
+from helpers.ranks import end_rank
+
 dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
 assert t.item() == dist.get_world_size()
 dist.destroy_process_group()
+end_rank()

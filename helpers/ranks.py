@@ -1,0 +1,49 @@
+"""How a rank process ends: :func:`end_rank`, the last line of every script in ``course/``.
+
+Why a course script does not simply return from ``main()``
+-----------------------------------------------------------
+gloo, the CPU backend, runs each collective on one of its own C++ worker threads. The thread can still hold the
+finished collective's tensors for a moment after the main thread has been woken with the result: a barrier keeps
+(weak) references to every collective that was in flight when it started, and they are freed when the barrier's
+work object is freed, on the worker thread. Freeing a tensor that Python also knew needs the GIL. If, in that
+moment, the main thread has already returned and Python is finalizing, CPython ends the worker thread instead of
+handing it the GIL; that ends in ``std::terminate`` -- the rank prints ``terminate called without an active
+exception``, dies of SIGABRT after all its work is done, and the launcher reports the run as failed.
+
+``dist.destroy_process_group()`` does not prevent it: gloo's ``shutdown()`` is a no-op and its threads are joined
+only when the last reference to the group goes, which DeepSpeed keeps until finalization. (A PyTorch PR to
+destroy groups at exit, pytorch/pytorch#179291, was abandoned as more complicated than it looked.)
+
+Seen here: in one CI run, and in 2 of about 100 repeated ZeRO-3 runs of notebook 04 on a 2-core machine. The core
+dump's aborting thread was ``ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
+TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate``, while the main thread was in
+``Py_FinalizeEx``.
+
+So after a successful run the scripts call :func:`end_rank`, which flushes what the rank printed and leaves with
+``os._exit``: no finalization, so no thread can be cut off in it. Everything a rank reports is already on disk
+(:class:`helpers.metrics.Reporter` writes each record with an unbuffered ``os.write``; checkpoints are fsynced).
+A rank that fails raises as usual, so torchrun's error file and traceback are unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import NoReturn
+
+
+def end_rank(code: int | None = 0) -> NoReturn:
+    """Flush stdout, stderr and logging, then exit with ``code`` (``None`` means 0) without interpreter teardown.
+
+    Call it after ``dist.destroy_process_group()``, on the success path only::
+
+        if __name__ == "__main__":
+            end_rank(main())
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced streams
+            pass
+    logging.shutdown()
+    os._exit(0 if code is None else int(code))
