@@ -257,12 +257,16 @@ def test_keyboard_interrupt_propagates_and_kills_every_rank(runs_root, children_
 
     # Fire once both ranks are past step 2 (truly mid-run), like the stop button would.
     when_ranks_reach(runs_root, 2, interrupt, done)
+    # A kernel turns SIGINT into KeyboardInterrupt; a test process started in the background by a non-interactive
+    # shell inherits SIGINT ignored, and Python then never installs that handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             launch.torchrun(STEPS, nproc=2, show="none", timeout=120, env={"STEPS": 1000, "STEP_S": 0.05})
         stopped = time.monotonic()
     finally:
         done.set()
+        signal.signal(signal.SIGINT, previous)
     assert sent, "the interrupt was never sent"
     assert stopped - sent[0] < 15, "the launcher took too long to give the interrupt back"
     run_dir = only_run_dir(runs_root)
