@@ -26,7 +26,7 @@ from helpers.data import get_datasets
 from helpers.memory import measured_model_state_bytes
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN, count_parameters, make_memory_model
-from helpers.ranks import end_rank
+from helpers.ranks import end_rank, forget_deepspeed_shm_buffer
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -90,6 +90,7 @@ def main():
     else:
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend)  # torch.distributed underneath, same rendezvous variables
+    forget_deepspeed_shm_buffer(rank)  # DeepSpeed's CPU comm buffers would stay in RAM
     try:
         train(args, rank, world_size, device)
     finally:

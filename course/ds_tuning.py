@@ -25,7 +25,7 @@ from helpers.data import get_datasets
 from helpers.memory import measured_model_state_bytes
 from helpers.metrics import Reporter
 from helpers.models import SimpleCNN, count_parameters, make_memory_model
-from helpers.ranks import end_rank
+from helpers.ranks import end_rank, forget_deepspeed_shm_buffer
 from helpers.tuning import dir_bytes, memory_now
 
 
@@ -85,17 +85,6 @@ def batches(loader, sampler):
         epoch += 1
 
 
-def forget_shm_buffer(rank):
-    """On CPUs DeepSpeed all-reduces through one shared-memory buffer per rank in /dev/shm (69 MB each) and never
-    removes it, so every run would leave its buffers in RAM. Once every rank has mapped every buffer (inside
-    init_distributed), remove the names: the mappings stay valid, and the OS frees them when the ranks exit."""
-    dist.barrier()
-    env = os.environ
-    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{rank}"
-    if os.path.exists(name):
-        os.unlink(name)
-
-
 @record
 def main():
     args = parse_args()
@@ -108,7 +97,7 @@ def main():
     else:
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend)
-    forget_shm_buffer(rank)
+    forget_deepspeed_shm_buffer(rank)  # DeepSpeed's CPU comm buffers would stay in RAM
     try:
         train(args, rank, world_size, device)
     finally:

@@ -603,7 +603,9 @@ _SECONDARY = re.compile(r"Connection (reset|closed) by peer|remote process exite
 
 def _remove_shm_buffers(port: int) -> None:
     """DeepSpeed's CPU comm op maps one shared-memory buffer per rank (tens of MB of RAM in /dev/shm, named after the
-    master port) and never unlinks it; remove this run's once every rank is gone."""
+    master port) and never unlinks it. The course's DeepSpeed scripts unlink their own
+    (:func:`helpers.ranks.forget_deepspeed_shm_buffer`); this removes what a run that died earlier, or another
+    script, left, once every rank is gone."""
     for path in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
         try:
             path.unlink()

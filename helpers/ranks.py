@@ -1,4 +1,7 @@
-"""How a rank process ends: :func:`end_rank`, the last line of every script in ``course/``.
+"""What a rank process leaves behind.
+
+* :func:`end_rank` -- the last line of every script in ``course/``: exit after a successful run.
+* :func:`forget_deepspeed_shm_buffer` -- right after ``deepspeed.init_distributed()``: leave no RAM in /dev/shm.
 
 Why a course script does not simply return from ``main()``
 -----------------------------------------------------------
@@ -47,3 +50,21 @@ def end_rank(code: int | None = 0) -> NoReturn:
             pass
     logging.shutdown()
     os._exit(0 if code is None else int(code))
+
+
+def forget_deepspeed_shm_buffer(rank: int) -> None:
+    """Remove the name of this rank's DeepSpeed shared-memory buffer in /dev/shm; call it on every rank right after
+    ``deepspeed.init_distributed()``.
+
+    On CPUs DeepSpeed all-reduces through one shared-memory buffer per rank (69 MB each) and never removes it, so
+    every run would leave its buffers in RAM. Once every rank has mapped every buffer (inside init_distributed; the
+    barrier makes sure all ranks are past it), the names can go: the mappings stay valid, and the OS frees them when
+    the ranks exit, however they exit. ``helpers.launch`` also removes a run's buffers afterwards, for runs that die
+    before getting here. Where there is no such buffer (GPUs), only the barrier happens."""
+    import torch.distributed as dist  # here, so that end_rank's importers need not load torch
+
+    dist.barrier()
+    env = os.environ
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{rank}"
+    if os.path.exists(name):
+        os.unlink(name)

@@ -1,12 +1,17 @@
-"""helpers.ranks.end_rank: how every course script leaves after a successful run (see the module's docstring for
-the gloo worker-thread abort it avoids)."""
+"""helpers.ranks: end_rank, how every course script leaves after a successful run (see the module's docstring for
+the gloo worker-thread abort it avoids), and forget_deepspeed_shm_buffer."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+
+from helpers.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,3 +81,31 @@ def test_every_distributed_course_script_ends_through_end_rank():
     for path in scripts:
         calls = _module_level_calls(ast.parse(path.read_text()))
         assert calls == ["end_rank(main())"], f"{path.name} ends with {calls}; use end_rank(main())"
+
+
+def test_forget_deepspeed_shm_buffer_removes_this_ranks_name_after_the_barrier(tmp_path):
+    """A one-rank gloo group stands in for DeepSpeed's ranks: the buffer named after this rank, address and port
+    goes; another rank's stays (it is that rank's to remove)."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    port = free_port()
+    mine = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0")
+    other = mine.with_name(mine.name[:-1] + "1")
+    try:
+        mine.write_bytes(b"x")
+        other.write_bytes(b"x")
+        result = _run(f"""
+            import os
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+            import torch.distributed as dist
+            from helpers.ranks import forget_deepspeed_shm_buffer
+            dist.init_process_group("gloo")
+            forget_deepspeed_shm_buffer(0)
+            dist.destroy_process_group()
+            """, tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert not mine.exists()
+        assert other.exists()
+    finally:
+        mine.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
