@@ -1,7 +1,6 @@
 """course/ddp_cifar10.py, launched for real: two gloo ranks on the CPU train, agree, evaluate and checkpoint."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import launch
 from helpers.metrics import read_metrics, results, steps
 from helpers.models import SimpleCNN
 
@@ -19,18 +19,12 @@ TIMEOUT_S = 300
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     """One real 2-rank run shared by the tests below: (completed process, run dir)."""
     run_dir = tmp_path_factory.mktemp("ddp_cifar10")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(_free_port()), str(SCRIPT), "--epochs", "1", "--train-size", "2000",
+               "--master-port", str(launch.free_port()), str(SCRIPT), "--epochs", "1", "--train-size", "2000",
                "--test-size", "500", "--dataset", "synthetic", "--out-dir", str(run_dir)]
     env = {**os.environ, "HELPERS_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # Own session, so a timeout kills torchrun and both ranks, not torchrun alone.

@@ -1,14 +1,13 @@
 """helpers.env (report, verdict, formulas) and the two communication scripts in course/."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import env
+from helpers import env, launch
 from helpers.metrics import read_metrics, results, steps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,17 +201,11 @@ def test_real_report_runs_ds_report_and_torch_compile_without_touching_cuda():
 
 
 # --- the course scripts under real torchrun -----------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script, run_dir, *args):
     # CUDA_VISIBLE_DEVICES="" keeps the test on gloo/CPU even on a one-GPU machine.
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "HELPERS_RUN_DIR": str(run_dir), "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), str(ROOT / "course" / script), *args]
+           str(launch.free_port()), str(ROOT / "course" / script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=180)
 
 

@@ -10,13 +10,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from helpers import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -34,12 +35,6 @@ LAB_SETTINGS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def copy_course(dest: Path) -> Path:
     """The course's notebooks and scripts under ``dest`` (the server's root), as a learner's checkout has them."""
     for name in ("notebooks", "course"):
@@ -52,7 +47,7 @@ class JupyterLab:
 
     def __init__(self, root_dir: Path, state_dir: Path, log_path: Path):
         self.root_dir, self.state_dir, self.log_path = Path(root_dir), Path(state_dir), Path(log_path)
-        self.port = free_port()
+        self.port = launch.free_port()  # below the ephemeral range: see its docstring
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self._log = None
