@@ -24,10 +24,6 @@ TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
 PER_BATCH = 4  # images per batch file: 20 train, 4 test
 
 
-def _md5(path: Path) -> str:
-    return hashlib.md5(path.read_bytes()).hexdigest()
-
-
 def fake_images(batch: str) -> tuple[np.ndarray, list[int]]:
     """The rows (N, 3072 uint8, CIFAR's channel-major layout) and labels of one batch file; seeded by its name."""
     rng = np.random.default_rng(int(hashlib.sha256(batch.encode()).hexdigest()[:8], 16))
@@ -37,23 +33,25 @@ def fake_images(batch: str) -> tuple[np.ndarray, list[int]]:
 def build_archive(folder: Path, url_base: str) -> dict:
     """Write the fake archive into ``folder`` and return its manifest."""
     from torchvision.datasets import CIFAR10
+    from torchvision.datasets.utils import calculate_md5 as md5
+
+    from helpers.data import CIFAR10_CLASSES
 
     staging = folder / "staging" / CIFAR10.base_folder
     staging.mkdir(parents=True)
     for batch in TRAIN_BATCHES + ["test_batch"]:
         rows, labels = fake_images(batch)
         (staging / batch).write_bytes(pickle.dumps({"batch_label": batch, "data": rows, "labels": labels}))
-    (staging / "batches.meta").write_bytes(pickle.dumps({"label_names": ["airplane", "automobile", "bird", "cat",
-                                                        "deer", "dog", "frog", "horse", "ship", "truck"]}))
+    (staging / "batches.meta").write_bytes(pickle.dumps({"label_names": list(CIFAR10_CLASSES)}))
     archive = folder / CIFAR10.filename
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(staging, arcname=CIFAR10.base_folder)
     return {
         "url": f"{url_base}/{CIFAR10.filename}",
-        "tgz_md5": _md5(archive),
-        "train_list": [[b, _md5(staging / b)] for b in TRAIN_BATCHES],
-        "test_list": [["test_batch", _md5(staging / "test_batch")]],
-        "meta_md5": _md5(staging / "batches.meta"),
+        "tgz_md5": md5(archive),
+        "train_list": [[b, md5(staging / b)] for b in TRAIN_BATCHES],
+        "test_list": [["test_batch", md5(staging / "test_batch")]],
+        "meta_md5": md5(staging / "batches.meta"),
     }
 
 
@@ -84,6 +82,7 @@ class Mirror:
     def __init__(self, folder: Path):
         mirror = self
         self.gets: list[str] = []
+        self.manifest: dict | None = None  # set by whoever builds the archive it serves
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def __init__(self, *args, **kwargs):

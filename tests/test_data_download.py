@@ -14,6 +14,7 @@ from fake_cifar_mirror import MANIFEST_ENV, PER_BATCH, TRAIN_BATCHES, Mirror, bu
     patch_torchvision
 from helpers import data, launch
 from helpers.data import CIFAR10_MEAN, CIFAR10_STD, DatasetUnavailableError, get_datasets
+from test_data import _stack
 
 ARCHIVE = "/cifar-10-python.tar.gz"
 
@@ -52,9 +53,9 @@ def test_auto_downloads_verifies_and_loads_cifar10_then_finds_it_on_disk(mirror,
     # the pixels and labels that were served, through the course's transform, in the files' order
     rows, labels = zip(*(fake_images(b) for b in TRAIN_BATCHES))
     expected = _normalised(np.concatenate(rows))
-    got = torch.stack([train_ds[i][0] for i in range(len(train_ds))])
-    assert torch.allclose(got, expected, atol=1e-6)
-    assert [train_ds[i][1] for i in range(len(train_ds))] == [label for batch in labels for label in batch]
+    got_images, got_labels = _stack(train_ds)
+    assert torch.allclose(got_images, expected, atol=1e-6)
+    assert got_labels.tolist() == [label for batch in labels for label in batch]
 
     _, _, again = get_datasets("auto", root=root)
     assert again.reason == f"found at {root}/" and len(mirror.gets) == fetched  # no second download
