@@ -3,7 +3,7 @@
 1. Scaling: course/ddp_cifar10.py with 2 ranks x 1 thread vs 1 rank x 2 threads, same data, same global batch.
    On a 2-core CPU both use the same two cores, so the honest target is "DDP costs little", not a speedup:
    samples/s ratio (2 ranks / 1 rank) >= 0.9.
-2. Metrics overhead: the time helpers.metrics.Reporter.step adds to one training step of SimpleCNN, in percent.
+2. Metrics overhead: the time helpers.rank.metrics.Reporter.step adds to one training step of SimpleCNN, in percent.
    Target < 2 %.
 
     .venv/bin/python benchmarks/bench_ddp.py [--repeats 3] [--train-size 4000]
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import launch
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN
 
 
 def scaling(repeats: int, train_size: int) -> None:
@@ -31,7 +31,7 @@ def scaling(repeats: int, train_size: int) -> None:
                                         "--dataset", "synthetic", "--batch-size", str(global_batch // nproc)])
             rates[nproc].append(run.result["samples_per_s"])
             print(f"  repeat {i}: {nproc} rank(s) x {launch.cpu_count() // nproc} thread(s): "
-                  f"{run.result['samples_per_s']:.0f} samples/s, peak RSS/rank {run.result['peak_rss_mb']:.0f} MB",
+                  f"{run.result['samples_per_s']:.0f} samples/s, peak RSS/rank {run.result['peak_rss_mib']:.0f} MiB",
                   flush=True)
     one, two = statistics.median(rates[1]), statistics.median(rates[2])
     ratio = two / one

@@ -9,7 +9,8 @@ import argparse
 import os
 import tempfile
 
-from helpers import dsconfig, launch
+from helpers.calc import dsconfig
+from helpers import launch
 
 
 def one_run(extensions_dir: str | None, torch_adam: bool) -> float:

@@ -4,22 +4,20 @@
 
 For each size: warm up, then time ``--iters`` all-reduces of a float32 tensor between two barriers.
 The slowest rank's time counts (a collective is done when every rank is done). Bandwidths follow
-nccl-tests: algbw = size / time, busbw = algbw * 2(n-1)/n (see helpers.env.bus_bandwidth).
+nccl-tests: algbw = size / time, busbw = algbw * 2(n-1)/n (see helpers.calc.comm.bus_bandwidth).
 Small messages measure latency; large ones approach the link's bandwidth.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers.env import bus_bandwidth  # noqa: E402
-from helpers.metrics import Reporter  # noqa: E402
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.calc.comm import bus_bandwidth
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter
+from helpers.rank.runtime import end_rank, launched_ranks
 
 UNITS = {"kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "b": 1}
 
@@ -49,15 +47,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
+    rank, local_rank, world = launched_ranks("torchrun --nproc-per-node 2 course/allreduce_bench.py")
+    device, backend = rank_device(local_rank)
     dist.init_process_group(backend)
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
         sizes, size = [], args.min_bytes
         while size <= args.max_bytes:
             sizes.append(size)
@@ -91,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

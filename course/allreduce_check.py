@@ -7,18 +7,16 @@ n(n+1)/2. Then rank 0 broadcasts a value and every rank must receive it. One lin
 where it ran and whether it agreed. Exit code 1 if any rank disagrees.
 """
 import argparse
-import os
 import socket
-import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers.metrics import Reporter  # noqa: E402  (no-op unless HELPERS_RUN_DIR is set)
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter  # no-op unless HELPERS_RUN_DIR is set
+from helpers.rank.runtime import end_rank, launched_ranks
 
 
 @record
@@ -28,16 +26,11 @@ def main() -> int:
     args = parser.parse_args()
 
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for every process it starts.
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # one GPU per rank; without this every rank piles onto cuda:0
-    else:
-        backend, device = "gloo", torch.device("cpu")
+    rank, local_rank, world = launched_ranks("torchrun --nproc-per-node 2 course/allreduce_check.py")
+    # GPU number LOCAL_RANK and NCCL, else CPU and gloo; set_device: without it every rank piles onto cuda:0
+    device, backend = rank_device(local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-
         x = torch.full((4,), float(rank + 1), device=device)
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
         expected = world * (world + 1) / 2
@@ -66,4 +59,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

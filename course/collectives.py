@@ -6,17 +6,15 @@ Every rank works out the expected result from its rank and the world size alone,
 answer on any rank is caught on that rank. A collective is a meeting: every rank must call it,
 in the same order, or the ones that did wait forever.
 """
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers.metrics import Reporter  # noqa: E402  (no-op unless HELPERS_RUN_DIR is set)
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter  # no-op unless HELPERS_RUN_DIR is set
+from helpers.rank.runtime import end_rank, launched_ranks
 
 
 def show(name: str, got, expected) -> bool:
@@ -27,15 +25,10 @@ def show(name: str, got, expected) -> bool:
 
 @record
 def main() -> int:
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
+    rank, local_rank, world = launched_ranks("torchrun --nproc-per-node 2 course/collectives.py")
+    device, backend = rank_device(local_rank)
     dist.init_process_group(backend)
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
         facts = {"world_size": world, "backend": backend}
 
         def tensor(values):  # int64, so results print as 3 rather than 3.0
@@ -114,4 +107,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

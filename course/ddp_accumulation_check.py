@@ -12,19 +12,22 @@ Each micro batch's loss is divided by N, so the micro gradients add up to the bi
 communication hook counts the all-reduce calls and bytes of each way. Every rank reports the largest difference
 between its gradients and the big batch's. (Models with BatchNorm would differ: micro batches see other statistics.)
 """
-import argparse, contextlib, gc, os, sys, time
+import argparse
+import contextlib
+import gc
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.data import get_datasets
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN
-from helpers.ranks import end_rank
+from helpers.rank.data import get_datasets
+from helpers.rank.loop import counting_hook
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN
+from helpers.rank.runtime import end_rank, launched_ranks, log0
 
 
 def parse_args():
@@ -35,13 +38,6 @@ def parse_args():
     p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="synthetic")
     p.add_argument("--data-root", default="data")
     return p.parse_args()
-
-
-def counting_hook(counter, bucket):
-    """DDP calls this once per gradient bucket it all-reduces; count, then all-reduce (average) as DDP would."""
-    counter["calls"] += 1
-    counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)
 
 
 def gradient(ddp, counter, images, labels, micro_batches, use_no_sync):
@@ -61,9 +57,7 @@ def gradient(ddp, counter, images, labels, micro_batches, use_no_sync):
 @record
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit("Launch me with torchrun, e.g.: torchrun --nproc-per-node 2 course/ddp_accumulation_check.py")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, _, world_size = launched_ranks("torchrun --nproc-per-node 2 course/ddp_accumulation_check.py")
     dist.init_process_group("gloo")  # a correctness check: CPU and gloo on any machine
     rep = Reporter()
     torch.manual_seed(args.seed)
@@ -75,7 +69,7 @@ def main():
 
     counter = {"calls": 0, "bytes": 0}
     ddp = DDP(SimpleCNN(info.num_classes))
-    ddp.register_comm_hook(counter, counting_hook)
+    ddp.register_comm_hook(counter, counting_hook)  # DDP calls it once per gradient bucket: count, then all-reduce
     gradient(ddp, counter, images, labels, 1, False)  # warm-up: DDP re-orders its buckets after the first backward
     big, big_comm = gradient(ddp, counter, images, labels, 1, False)
     no_sync, no_sync_comm = gradient(ddp, counter, images, labels, n, True)
@@ -87,14 +81,13 @@ def main():
                no_sync_max_abs_diff=(no_sync - big).abs().max().item(),
                every_step_max_abs_diff=(every - big).abs().max().item(),
                comm={"big batch": big_comm, "no_sync": no_sync_comm, "every step": every_comm})
-    if rank == 0:
-        print(f"{n} micro batches of {b} vs one batch of {n * b} per rank, {world_size} ranks: max |grad difference| "
-              f"{(no_sync - big).abs().max().item():.2e} (largest gradient {scale:.2e}); all-reduce calls "
-              f"big batch {big_comm['calls']}, no_sync {no_sync_comm['calls']}, every step {every_comm['calls']}",
-              flush=True)
+    log0(f"{n} micro batches of {b} vs one batch of {n * b} per rank, {world_size} ranks: max |grad difference| "
+         f"{(no_sync - big).abs().max().item():.2e} (largest gradient {scale:.2e}); all-reduce calls "
+         f"big batch {big_comm['calls']}, no_sync {no_sync_comm['calls']}, every step {every_comm['calls']}")
     del ddp
     gc.collect()  # free DDP (and the Python comm hook its reducer holds) while the interpreter is fully alive
     dist.destroy_process_group()
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

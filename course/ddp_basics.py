@@ -8,15 +8,13 @@ same number as RANK. Each rank prints one line about itself.
 """
 import os
 import socket
-import sys
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers.metrics import Reporter  # noqa: E402  (no-op unless HELPERS_RUN_DIR is set)
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter  # no-op unless HELPERS_RUN_DIR is set
+from helpers.rank.runtime import end_rank
 
 
 @record
@@ -30,11 +28,7 @@ def main() -> int:
     master_addr_set = "MASTER_ADDR" in os.environ
     master_port_set = "MASTER_PORT" in os.environ
 
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # LOCAL_RANK, not RANK: on node 2, RANK 8 still means GPU 0
-    else:
-        backend, device = "gloo", torch.device("cpu")
+    device, backend = rank_device(local_rank)  # LOCAL_RANK, not RANK: on node 2, RANK 8 still means GPU 0
 
     dist.init_process_group(backend)  # "env://": reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     try:
@@ -56,4 +50,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

@@ -11,7 +11,9 @@ NCCL; without, they run on the CPU and talk over gloo. Same script either way.
 Data: --dataset auto uses CIFAR-10 from --data-root, downloading it if it can, and otherwise generated
 CIFAR-shaped images -- rank 0 prints which one, and results on generated data are not CIFAR-10 results.
 """
-import argparse, os, resource, sys, time
+import argparse
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,10 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers.data import get_datasets
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN
-from helpers.ranks import end_rank
+from helpers.rank.checkpoint import save_atomic
+from helpers.rank.data import get_datasets
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN
+from helpers.rank.runtime import end_rank, launched_ranks, log0
+from helpers.rank.state import peak_memory
 
 
 def parse_args():
@@ -40,16 +45,6 @@ def parse_args():
     p.add_argument("--out-dir", default=os.environ.get("HELPERS_RUN_DIR") or "runs/ddp_cifar10")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     return p.parse_args()
-
-
-def save_atomically(state, path):
-    """Write to a temporary file in the same folder, then rename: a crash never leaves half a checkpoint."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic on POSIX when both paths are on one filesystem
 
 
 @torch.no_grad()
@@ -75,14 +70,8 @@ def evaluate(model, test_ds, rank, world_size, device, batch_size):
 @record  # on a crash, torchrun's error file names the rank and holds its traceback
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit("Launch me with torchrun, e.g.: torchrun --nproc-per-node 2 course/ddp_cifar10.py")
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    rank, local_rank, world_size = launched_ranks("torchrun --nproc-per-node 2 course/ddp_cifar10.py")
+    device, backend = rank_device(local_rank)  # GPU LOCAL_RANK + NCCL (set before init), else CPU + gloo
     dist.init_process_group(backend)  # rendezvous at MASTER_ADDR:MASTER_PORT, set by torchrun
     try:
         train(args, rank, local_rank, world_size, device)
@@ -91,14 +80,13 @@ def main():
 
 
 def train(args, rank, local_rank, world_size, device):
-    log = print if rank == 0 else (lambda *a, **k: None)  # one voice in the terminal, not WORLD_SIZE
     rep = Reporter()  # every rank writes its own records to $HELPERS_RUN_DIR/metrics.jsonl (no-op if unset)
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's at wrap)
 
-    # Rank 0 finds or downloads the data while the others wait (see helpers/data.py): many ranks
+    # Rank 0 finds or downloads the data while the others wait (see helpers/rank/data.py): many ranks
     # downloading into one folder at once would corrupt it, and all ranks must agree on which data it is.
     train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
-    log(info.announcement, flush=True)
+    log0(info.announcement)  # log0: one voice in the terminal, not WORLD_SIZE
 
     # Each rank sees a different 1/WORLD_SIZE of the shuffled data; drop_last keeps the shards equal-sized.
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
@@ -109,8 +97,8 @@ def train(args, rank, local_rank, world_size, device):
 
     total_steps = args.epochs * len(loader)
     rep.total(total_steps)
-    log(f"world_size={world_size} backend={dist.get_backend()} device={device.type} "
-        f"global_batch={args.batch_size * world_size} steps={total_steps}", flush=True)
+    log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} "
+         f"global_batch={args.batch_size * world_size} steps={total_steps}")
 
     step, samples, start = 0, 0, time.perf_counter()
     for epoch in range(args.epochs):
@@ -125,25 +113,22 @@ def train(args, rank, local_rank, world_size, device):
             samples += labels.size(0)
             rep.step(step, loss=loss.item(), epoch=epoch, samples=labels.size(0))
             if step % 20 == 0 or step == total_steps:
-                log(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}", flush=True)
+                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}")
     train_seconds = time.perf_counter() - start
 
     accuracy = evaluate(model.module, test_ds, rank, world_size, device, batch_size=256)
     checkpoint = os.path.join(args.out_dir, "ddp_model.pt")
-    if rank == 0:
-        os.makedirs(args.out_dir, exist_ok=True)
-        save_atomically(model.module.state_dict(), checkpoint)  # .module: the plain model, no "module." prefix
+    if rank == 0:  # save_atomic: temporary file, fsync, rename -- a crash never leaves half a checkpoint
+        save_atomic(model.module.state_dict(), checkpoint)  # .module: the plain model, no "module." prefix
     dist.barrier()  # nobody moves on (or exits) before the checkpoint is on disk
 
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
-    memory = {"peak_rss_mb": round(rss_kib / 1024, 1)}  # this rank's peak host memory (rank 0's is reported)
-    if device.type == "cuda":
-        memory["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    log(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training", flush=True)
+    memory = peak_memory(device)  # this rank's high-water marks, RSS (and CUDA); rank 0's are reported
+    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training")
     if rank == 0:
         rep.result(test_accuracy=accuracy, train_samples=samples * world_size, world_size=world_size,
                    global_batch=args.batch_size * world_size, dataset=info.name, checkpoint=checkpoint,
                    train_seconds=train_seconds, samples_per_s=samples * world_size / train_seconds, **memory)
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

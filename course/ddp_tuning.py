@@ -10,22 +10,28 @@ Every rank reports per optimizer step: loss, gradient norm (before clipping), le
 also allocated and peak CUDA memory) and step time. Its DeepSpeed twin, course/ds_tuning.py, takes the same flags;
 diff the two to see what the DeepSpeed engine and its config take over.
 """
-import argparse, contextlib, gc, os, sys, time
+import argparse
+import contextlib
+import gc
+import os
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers.data import get_datasets
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN, count_parameters, make_memory_model
-from helpers.ranks import end_rank
-from helpers.tuning import dir_bytes, memory_now, model_state_bytes
+from helpers.rank.checkpoint import save_atomic
+from helpers.rank.data import get_datasets
+from helpers.rank.devices import rank_device
+from helpers.rank.loop import batches, counting_hook
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.rank.runtime import end_rank, launched_ranks, log0
+from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
 
 def parse_args():
@@ -51,33 +57,11 @@ def parse_args():
     return p.parse_args()
 
 
-def counting_hook(counter, bucket):
-    """DDP calls this for every gradient bucket it all-reduces: count calls and bytes, then all-reduce as usual."""
-    counter["calls"] += 1
-    counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)
-
-
-def batches(loader, sampler):
-    """Micro batches forever, reshuffled each epoch: the loop counts optimizer steps, not epochs."""
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 @record
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit("Launch me with torchrun, e.g.: torchrun --nproc-per-node 2 course/ddp_tuning.py")
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    rank, local_rank, world_size = launched_ranks("torchrun --nproc-per-node 2 course/ddp_tuning.py")
+    device, backend = rank_device(local_rank)
     dist.init_process_group(backend)
     try:
         train(args, rank, local_rank, world_size, device)
@@ -87,14 +71,13 @@ def main():
 
 
 def train(args, rank, local_rank, world_size, device):
-    log = print if rank == 0 else (lambda *a, **k: None)
     rep = Reporter()
     torch.manual_seed(args.seed)
     train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, 100, args.seed)
-    log(info.announcement, flush=True)
+    log0(info.announcement)
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
-    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)
-    rss_start = memory_now(device)["rss_mb"]  # before the model exists: the framework's own share
+    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch inside
+    rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
     model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
     params = count_parameters(model)
@@ -102,7 +85,7 @@ def train(args, rank, local_rank, world_size, device):
     ddp = DDP(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     comm = {"calls": 0, "bytes": 0}
-    ddp.register_comm_hook(comm, counting_hook)
+    ddp.register_comm_hook(comm, counting_hook)  # counts each bucket's calls and bytes, then all-reduces it
     net = torch.compile(ddp) if args.compile else ddp  # compiles on the first forward (the first step is slow)
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -113,8 +96,8 @@ def train(args, rank, local_rank, world_size, device):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     rep.total(args.steps)
-    log(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
-        f"global_batch={args.batch_size * args.accumulation * world_size} steps={args.steps}", flush=True)
+    log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
+         f"global_batch={args.batch_size * args.accumulation * world_size} steps={args.steps}")
     states, timed_samples, timed_s, first_step_s = None, 0, 0.0, None
     for step in range(args.steps):
         start = time.perf_counter()
@@ -148,15 +131,13 @@ def train(args, rank, local_rank, world_size, device):
         rep.step(step, loss=loss_sum, grad_norm=float(grad_norm), lr=lr, step_s=step_s,
                  samples=args.batch_size * args.accumulation, **memory_now(device))
         if step % 10 == 0 or step == args.steps - 1:
-            log(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} grad_norm {grad_norm:.3f} lr {lr:.2e}", flush=True)
+            log0(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} grad_norm {grad_norm:.3f} lr {lr:.2e}")
 
     checkpoint_bytes = None
     if args.save_dir:
         if rank == 0:  # every rank holds the same full state: one copy is the whole checkpoint
-            os.makedirs(args.save_dir, exist_ok=True)
-            path = os.path.join(args.save_dir, "ddp_checkpoint.pt")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)
+            path = os.path.join(args.save_dir, "ddp_checkpoint.pt")  # written atomically, fsynced
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
             checkpoint_bytes = dir_bytes(args.save_dir)
         dist.barrier()
     per_step = {k: v / max(1, args.steps - 1) for k, v in comm.items()}
@@ -164,8 +145,9 @@ def train(args, rank, local_rank, world_size, device):
     if rank == 0:
         rep.result(framework="ddp", dtype="bf16-autocast" if args.bf16 else "fp32", params=params,
                    world_size=world_size, global_batch=args.batch_size * args.accumulation * world_size,
-                   rss_start_mb=rss_start, first_step_s=first_step_s, checkpoint_bytes=checkpoint_bytes,
+                   rss_start_mib=rss_start, first_step_s=first_step_s, checkpoint_bytes=checkpoint_bytes,
                    samples_per_s=timed_samples / timed_s if timed_s else None, compiled=args.compile)
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

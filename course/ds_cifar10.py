@@ -11,22 +11,28 @@ the optimizer and LR schedule from the ds_config (--deepspeed_config, else one b
 engine.backward / engine.step average or partition gradients, clip, step and zero them. --stage and --dtype
 override the config, as in DeepSpeedExamples/training/cifar; --model memory trains a wide MLP of --params.
 """
-import argparse, itertools, math, os, resource, sys, time
+import argparse
+import itertools
+import math
+import os
+import sys
+import time
 
 import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import dsconfig
-from helpers.data import get_datasets
-from helpers.memory import measured_model_state_bytes
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN, count_parameters, make_memory_model
-from helpers.ranks import end_rank, forget_deepspeed_shm_buffer
+from helpers.calc import dsconfig
+from helpers.rank.data import get_datasets
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.rank.runtime import end_rank, forget_deepspeed_shm_buffer, launched_ranks, log0
+from helpers.rank.state import model_state_bytes, peak_memory
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -81,14 +87,10 @@ def evaluate(model, test_ds, rank, world_size, device, batch_size, dtype):
 @record  # on a crash under torchrun, the error file names the rank and holds its traceback
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit("Launch me with deepspeed, e.g.: deepspeed --num_gpus 2 course/ds_cifar10.py")
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    rank, local_rank, world_size = launched_ranks("deepspeed --num_gpus 2 course/ds_cifar10.py")
+    accel = get_accelerator()  # DeepSpeed's device abstraction: CUDA, or CPU with DS_ACCELERATOR=cpu, or ...
+    accel.set_device(local_rank)  # before init: NCCL binds each rank to its own GPU (a no-op on the CPU)
+    device, backend = torch.device(accel.device_name(local_rank)), accel.communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend)  # torch.distributed underneath, same rendezvous variables
     forget_deepspeed_shm_buffer(rank)  # DeepSpeed's CPU comm buffers would stay in RAM
     try:
@@ -98,14 +100,13 @@ def main():
 
 
 def train(args, rank, world_size, device):
-    log = print if rank == 0 else (lambda *a, **k: None)  # one voice in the terminal, not WORLD_SIZE
     rep = Reporter()  # every rank writes its own records to $HELPERS_RUN_DIR/metrics.jsonl (no-op if unset)
     torch.manual_seed(args.seed)  # same initial weights on every rank (DeepSpeed also broadcasts rank 0's)
 
-    # Rank 0 finds or downloads the data while the others wait (see helpers/data.py): many ranks
+    # Rank 0 finds or downloads the data while the others wait (see helpers/rank/data.py): many ranks
     # downloading into one folder at once would corrupt it, and all ranks must agree on which data it is.
     train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
-    log(info.announcement, flush=True)
+    log0(info.announcement)  # log0: one voice in the terminal, not WORLD_SIZE
 
     model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
     params = count_parameters(model)  # before ZeRO-3 partitions them away
@@ -120,7 +121,7 @@ def train(args, rank, world_size, device):
         path, _ = engine.load_checkpoint(args.load_dir)
         if path is None:  # DeepSpeed only warns, and training would silently start from scratch
             sys.exit(f"no DeepSpeed checkpoint (no 'latest' file) in {args.load_dir}")
-        log(f"resumed from {path} at optimizer step {engine.global_steps}", flush=True)
+        log0(f"resumed from {path} at optimizer step {engine.global_steps}")
 
     # Each rank sees a different 1/WORLD_SIZE of the shuffled data; drop_last keeps the shards equal-sized.
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
@@ -129,9 +130,9 @@ def train(args, rank, world_size, device):
     # A step here is one micro batch; DeepSpeed steps the optimizer every gradient_accumulation_steps of them.
     total_steps = args.epochs * len(loader) if args.steps is None else args.steps * engine.gradient_accumulation_steps()
     rep.total(total_steps)
-    log(f"world_size={world_size} backend={dist.get_backend()} device={device.type} dtype={NAMES[dtype]} "
-        f"zero_stage={engine.zero_optimization_stage()} params={params} global_batch={engine.train_batch_size()} "
-        f"steps={total_steps}", flush=True)
+    log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} dtype={NAMES[dtype]} "
+         f"zero_stage={engine.zero_optimization_stage()} params={params} global_batch={engine.train_batch_size()} "
+         f"steps={total_steps}")
 
     first, step, samples, model_states, start = engine.global_steps, 0, 0, None, time.perf_counter()
     for epoch in range(math.ceil(total_steps / len(loader))):
@@ -141,7 +142,7 @@ def train(args, rank, world_size, device):
             loss = F.cross_entropy(engine(images), labels)
             engine.backward(loss)  # averages gradients across ranks (ZeRO 2/3: each rank keeps its partition)
             if model_states is None and engine.global_steps == first + 1:  # gradients live, Adam state exists
-                model_states = measured_model_state_bytes(engine)  # this rank's params, grads, optimizer bytes
+                model_states = model_state_bytes(engine.module, engine.optimizer)  # this rank's share
             lr = engine.get_lr()[0]  # the rate this step uses; the LR schedule moves on inside engine.step()
             engine.step()  # every gradient_accumulation_steps: clip, optimizer and LR step, zero the gradients
             step += 1
@@ -150,7 +151,7 @@ def train(args, rank, world_size, device):
             rep.step(step, loss=loss.item(), lr=lr, optimizer_step=engine.global_steps, epoch=epoch,
                      samples=labels.size(0), **({} if norm is None else {"grad_norm": float(norm)}))
             if step % 20 == 0 or step == total_steps:
-                log(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}", flush=True)
+                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}")
     train_seconds = time.perf_counter() - start
 
     accuracy = evaluate(engine, test_ds, rank, world_size, device, batch_size=256, dtype=dtype)
@@ -159,11 +160,8 @@ def train(args, rank, world_size, device):
         engine.save_checkpoint(args.save_dir)
         checkpoint = os.path.join(args.save_dir, f"global_step{engine.global_steps}")
 
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
-    memory = {"peak_rss_mb": round(rss_kib / 1024, 1)}  # this rank's peak host memory (rank 0's is reported)
-    if device.type == "cuda":
-        memory["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    log(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training", flush=True)
+    memory = peak_memory(device)  # this rank's high-water marks, RSS (and CUDA); rank 0's are reported
+    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training")
     rep.result(model_state_bytes=model_states)  # every rank: what it held, for measured-vs-formula per rank
     if rank == 0:
         rep.result(test_accuracy=accuracy, train_samples=samples * world_size, world_size=world_size,
@@ -173,4 +171,5 @@ def train(args, rank, world_size, device):
                    samples_per_s=samples * world_size / train_seconds, **memory)
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

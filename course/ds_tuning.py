@@ -4,29 +4,31 @@
     deepspeed --num_gpus 2 course/ds_tuning.py --model memory --params 20000000 --stage 3 --offload both --steps 5
 
 (On a machine without GPUs put DS_ACCELERATOR=cpu in front.) The same flags as the DDP script, turned into a
-ds_config by helpers.dsconfig.build: --clip is gradient_clipping, --warmup-steps a WarmupLR scheduler, --bf16 the
+ds_config by helpers.calc.dsconfig.build: --clip is gradient_clipping, --warmup-steps a WarmupLR scheduler, --bf16 the
 bf16 section (weights and gradients in bf16, fp32 master copy in the optimizer), --accumulation
 gradient_accumulation_steps; --stage and --offload pick ZeRO's partitioning. Every rank reports the same per-step
 fields as the DDP script, plus the model-state bytes it holds, read from the engine.
 """
-import argparse, os, sys, time
+import argparse
+import time
 
 import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm import comm as ds_comm
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from deepspeed.comm import comm as ds_comm
-from helpers import dsconfig
-from helpers.data import get_datasets
-from helpers.memory import measured_model_state_bytes
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN, count_parameters, make_memory_model
-from helpers.ranks import end_rank, forget_deepspeed_shm_buffer
-from helpers.tuning import dir_bytes, memory_now
+from helpers.calc import dsconfig
+from helpers.rank.data import get_datasets
+from helpers.rank.loop import batches
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.rank.runtime import end_rank, forget_deepspeed_shm_buffer, launched_ranks, log0
+from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
 
 def parse_args():
@@ -76,26 +78,13 @@ def ds_config(args, world_size):
     return config
 
 
-def batches(loader, sampler):
-    """Micro batches forever, reshuffled each epoch: the loop counts optimizer steps, not epochs."""
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 @record
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:
-        sys.exit("Launch me with deepspeed, e.g.: deepspeed --num_gpus 2 course/ds_tuning.py")
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    rank, local_rank, world_size = launched_ranks("deepspeed --num_gpus 2 course/ds_tuning.py")
+    accel = get_accelerator()  # DeepSpeed's device abstraction (DS_ACCELERATOR=cpu: the CPU)
+    accel.set_device(local_rank)
+    device, backend = torch.device(accel.device_name(local_rank)), accel.communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend)
     forget_deepspeed_shm_buffer(rank)  # DeepSpeed's CPU comm buffers would stay in RAM
     try:
@@ -105,14 +94,13 @@ def main():
 
 
 def train(args, rank, world_size, device):
-    log = print if rank == 0 else (lambda *a, **k: None)
     rep = Reporter()
     torch.manual_seed(args.seed)
     train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, 100, args.seed)
-    log(info.announcement, flush=True)
+    log0(info.announcement)
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
-    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)
-    rss_start = memory_now(device)["rss_mb"]  # before the model exists: the framework's own share
+    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch inside
+    rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
     model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
     params = count_parameters(model)  # before ZeRO-3 partitions them away
@@ -122,8 +110,8 @@ def train(args, rank, world_size, device):
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
 
     rep.total(args.steps)
-    log(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
-        f"zero_stage={args.stage} global_batch={engine.train_batch_size()} steps={args.steps}", flush=True)
+    log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
+         f"zero_stage={args.stage} global_batch={engine.train_batch_size()} steps={args.steps}")
     states, timed_samples, timed_s, first_step_s = None, 0, 0.0, None
     for step in range(args.steps):
         start = time.perf_counter()
@@ -134,13 +122,12 @@ def train(args, rank, world_size, device):
             loss = F.cross_entropy(engine(images.to(device, dtype)), labels.to(device))
             engine.backward(loss)  # divides by gradient_accumulation_steps; reduces only at the boundary
             if states is None and step == 1:  # gradients live and optimizer state exists
-                states = measured_model_state_bytes(engine)
+                states = model_state_bytes(engine.module, engine.optimizer)
             engine.step()  # at the boundary: clip, optimizer and LR step, zero the gradients
             loss_sum += loss.item() / args.accumulation
         norm = engine.get_global_grad_norm()  # before clipping; None where nothing needed it (stage 0, no clip)
         grad_norm = {} if norm is None else {"grad_norm": float(norm)}
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        get_accelerator().synchronize()  # GPU work is asynchronous: wait for it before reading the clock
         step_s = time.perf_counter() - start
         first_step_s = step_s if first_step_s is None else first_step_s
         if step == 0:
@@ -150,7 +137,7 @@ def train(args, rank, world_size, device):
         rep.step(step, loss=loss_sum, **grad_norm, lr=lr, step_s=step_s,
                  samples=args.batch_size * args.accumulation, **memory_now(device))
         if step % 10 == 0 or step == args.steps - 1:
-            log(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} lr {lr:.2e}", flush=True)
+            log0(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} lr {lr:.2e}")
 
     checkpoint_bytes = None
     if args.save_dir:  # ALL ranks call it: under ZeRO each rank holds a shard no other rank has
@@ -165,8 +152,9 @@ def train(args, rank, world_size, device):
     if rank == 0:
         rep.result(framework="deepspeed", zero_stage=args.stage, offload=args.offload,
                    dtype="bf16" if args.bf16 else "fp32", params=params, world_size=world_size,
-                   global_batch=engine.train_batch_size(), rss_start_mb=rss_start, first_step_s=first_step_s,
+                   global_batch=engine.train_batch_size(), rss_start_mib=rss_start, first_step_s=first_step_s,
                    checkpoint_bytes=checkpoint_bytes, samples_per_s=timed_samples / timed_s if timed_s else None)
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

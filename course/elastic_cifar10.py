@@ -10,7 +10,10 @@ RNG states. It is written atomically (a crash mid-write leaves the previous one 
 loads the newest, so on CPU the run ends bitwise equal to one that never crashed. On a cluster --snapshot-dir
 must be on a filesystem every node sees. FAULT_RANK=r FAULT_STEP=s: rank r exits abruptly after step s, once.
 """
-import argparse, itertools, os, random, sys
+import argparse
+import itertools
+import os
+import random
 from pathlib import Path
 
 import torch
@@ -21,11 +24,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers.checkpoint import latest_snapshot, load_snapshot, save_atomic, save_snapshot, state_dict_sha256
-from helpers.data import get_datasets
-from helpers.metrics import Reporter
-from helpers.models import SimpleCNN
-from helpers.ranks import end_rank
+from helpers.rank.checkpoint import latest_snapshot, load_snapshot, save_atomic, save_snapshot, state_dict_sha256
+from helpers.rank.data import get_datasets
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter
+from helpers.rank.models import SimpleCNN
+from helpers.rank.runtime import end_rank, launched_ranks, log0
 
 
 def parse_args():
@@ -69,21 +73,16 @@ def maybe_inject_fault(rank, step, snapshot_dir):
 def main():
     args = parse_args()
     args.snapshot_dir = args.snapshot_dir or os.path.join(args.out_dir, "snapshots")
-    if "RANK" not in os.environ:
-        sys.exit("Launch me with torchrun: torchrun --nproc-per-node 2 --max-restarts 3 course/elastic_cifar10.py")
     # RANK is this process's place in the whole job, LOCAL_RANK its place on this node (which GPU it drives).
     # A restart starts NEW processes (new pids, empty memory), and with elastic rendezvous (--nnodes 1:2) the
     # agents may come back in another order, so the same machine can get other RANKs and WORLD_SIZE can change.
     # So nothing is tied to a rank or a pid: the snapshot is identified by its step, every rank loads the same
     # one, and TORCHELASTIC_RESTART_COUNT says how many times the agent has restarted the workers.
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    how = "torchrun --nproc-per-node 2 --max-restarts 3 course/elastic_cifar10.py"
+    rank, local_rank, world_size = launched_ranks(how)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if torch.cuda.is_available():
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA starts)
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (set before CUDA starts)
+    device, backend = rank_device(local_rank)
     # torchrun's agent keeps one TCPStore for the whole job, and after a restart the addresses the dead processes
     # published are still in it: a new rank can read a dead peer's and fail ("Connection refused") or hang
     # (pytorch issues 135712, 167288). So each attempt's keys go under their own prefix.
@@ -98,14 +97,13 @@ def main():
 
 
 def train(args, rank, local_rank, world_size, device, restart_count):
-    log = print if rank == 0 else (lambda *a, **k: None)
     rep = Reporter()
     torch.manual_seed(args.seed)
     random.seed(args.seed)  # not used here, but RNG state a real script must restore (numpy's too, if used)
     torch.use_deterministic_algorithms(True, warn_only=True)  # same inputs -> same bits, so resume can be exact
 
     train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, test_size=1, seed=args.seed)
-    log(info.announcement, flush=True)
+    log0(info.announcement)
     sampler = ResumableSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
     # The loader gets its own generator: by default every new epoch iterator draws a seed from the global RNG,
     # and after a mid-epoch resume that draw would come at a different moment and shift the flips below.
@@ -132,10 +130,10 @@ def train(args, rank, local_rank, world_size, device, restart_count):
         random.setstate(snap["rng"]["python"])
         resumed_from = step = snap["step"]
         start_epoch, seen = snap["epoch"], snap["seen"]
-        log(f"attempt {restart_count}: resumed from {found[0]} (step {step}, epoch {start_epoch})", flush=True)
+        log0(f"attempt {restart_count}: resumed from {found[0]} (step {step}, epoch {start_epoch})")
         rep.event("resumed", step=step, snapshot=found[0], attempt=restart_count)
     rep.total(total_steps)
-    log(f"world_size={world_size} backend={dist.get_backend()} steps={total_steps} attempt={restart_count}", flush=True)
+    log0(f"world_size={world_size} backend={dist.get_backend()} steps={total_steps} attempt={restart_count}")
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # the same shuffle of this epoch as before the crash
@@ -167,7 +165,7 @@ def train(args, rank, local_rank, world_size, device, restart_count):
                     rep.event("snapshot", step=step)
                 dist.barrier()  # past this line, every rank knows snapshot `step` is on disk
             if step % 20 == 0 or step == total_steps:
-                log(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}", flush=True)
+                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}")
         seen = 0
 
     weights = model.module.state_dict()
@@ -176,9 +174,10 @@ def train(args, rank, local_rank, world_size, device, restart_count):
     if rank == 0:
         save_atomic(weights, final)
     dist.barrier()
-    log(f"done: {step} steps, resumed from {resumed_from}, restarts {restart_count}, sha256 {digest[:16]}", flush=True)
+    log0(f"done: {step} steps, resumed from {resumed_from}, restarts {restart_count}, sha256 {digest[:16]}")
     rep.result(final_params_sha256=digest, steps=step, resumed_from=resumed_from, restart_count=restart_count,
                world_size=world_size, checkpoint=final, dataset=info.name)
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

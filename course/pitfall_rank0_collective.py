@@ -11,16 +11,14 @@ waits for the other forever. --fixed moves the all_reduce out of the `if`: every
 only the printing stays on rank 0.
 """
 import argparse
-import os
-import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.rank.devices import rank_device
+from helpers.rank.runtime import end_rank, launched_ranks
 
 
 @record
@@ -32,9 +30,9 @@ def main():
     args = parser.parse_args()
     fixed = args.fixed
     timeout = timedelta(seconds=args.timeout_s) if args.timeout_s else None
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
-    rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    rank, local_rank, _ = launched_ranks("torchrun --nproc-per-node 2 course/pitfall_rank0_collective.py")
+    device, backend = rank_device(local_rank)
+    dist.init_process_group(backend, timeout=timeout)
     try:
         loss = torch.tensor([1.0 + rank], device=device)  # pretend each rank computed its own loss
         if fixed:
@@ -52,4 +50,5 @@ def main():
         dist.destroy_process_group()
 
 
-end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+if __name__ == "__main__":
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

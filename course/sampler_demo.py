@@ -9,8 +9,6 @@ DataLoader yields in each epoch. All ranks share their lists, and rank 0 checks:
 disjoint, do they cover the dataset, and does the order change from one epoch to the next?
 """
 import argparse
-import os
-import sys
 from collections import Counter
 
 import torch
@@ -19,9 +17,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from helpers.metrics import Reporter  # noqa: E402  (no-op unless HELPERS_RUN_DIR is set)
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import Reporter  # no-op unless HELPERS_RUN_DIR is set
+from helpers.rank.runtime import end_rank, launched_ranks
 
 
 @record
@@ -35,15 +33,10 @@ def main() -> int:
     parser.add_argument("--no-set-epoch", action="store_true", help="forget sampler.set_epoch(epoch)")
     args = parser.parse_args()
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        backend = "nccl"
-        torch.cuda.set_device(local_rank)  # all_gather_object moves its buffers to this GPU
-    else:
-        backend = "gloo"
+    rank, local_rank, world = launched_ranks("torchrun --nproc-per-node 2 course/sampler_demo.py")
+    _, backend = rank_device(local_rank)  # sets the GPU: all_gather_object moves its buffers to it
     dist.init_process_group(backend)
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
         dataset = TensorDataset(torch.arange(args.num_samples))  # sample i is just the number i
         # num_replicas and rank come from the process group. The seed must be the same on every
         # rank: all ranks draw the same permutation, then each keeps every world-th index of it.
@@ -92,4 +85,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    end_rank(main())  # exits without interpreter teardown: see helpers/ranks.py
+    end_rank(main())  # exits without interpreter teardown: see helpers/rank/runtime.py

@@ -1,5 +1,5 @@
 import sys
 
-from .course import main
+from .notebook.runner import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@
 uint8 rows, ``batches.meta`` with the label names) but with only a few images, and returns the manifest
 torchvision needs to accept it: the URL and the MD5 of the archive and of every member.
 :func:`patch_torchvision` applies a manifest (to the class attributes torchvision checks, and to the URL
-``helpers.data`` probes). :class:`Mirror` serves a folder over HTTP on 127.0.0.1 and counts the GETs.
+``helpers.rank.data`` probes). :class:`Mirror` serves a folder over HTTP on 127.0.0.1 and counts the GETs.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def build_archive(folder: Path, url_base: str) -> dict:
     from torchvision.datasets import CIFAR10
     from torchvision.datasets.utils import calculate_md5 as md5
 
-    from helpers.data import CIFAR10_CLASSES
+    from helpers.rank.data import CIFAR10_CLASSES
 
     staging = folder / "staging" / CIFAR10.base_folder
     staging.mkdir(parents=True)
@@ -56,10 +56,10 @@ def build_archive(folder: Path, url_base: str) -> dict:
 
 
 def patch_torchvision(manifest: dict, setattr_=setattr) -> None:
-    """Point torchvision's CIFAR10 and helpers.data at the fake archive (``setattr_``: e.g. monkeypatch.setattr)."""
+    """Point torchvision's CIFAR10 and helpers.rank.data at the fake archive (``setattr_``: e.g. monkeypatch.setattr)."""
     from torchvision.datasets import CIFAR10
 
-    from helpers import data
+    from helpers.rank import data
 
     setattr_(CIFAR10, "url", manifest["url"])
     setattr_(CIFAR10, "tgz_md5", manifest["tgz_md5"])

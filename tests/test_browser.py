@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.course import BUILD, syllabus
+from helpers.notebook.runner import BUILD, syllabus
 
 from browser.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, copy_course, make_notebook
 
@@ -122,7 +122,7 @@ def _calculator_cells(root: Path) -> tuple[str, list[int]]:
             parameters = [i for i, c in enumerate(cells) if "parameters" in _tags(c)]
             return f"notebooks/{chapter.file}", sorted(set(parameters + tagged))
     make_notebook(root / "zero_calculator_check.ipynb",
-                  [("from helpers.widgets import zero_calculator\nzero_calculator()", [CALCULATOR_TAG])])
+                  [("from helpers.notebook.widgets import zero_calculator\nzero_calculator()", [CALCULATOR_TAG])])
     return "zero_calculator_check.ipynb", [0]
 
 

@@ -1,4 +1,4 @@
-"""helpers.checkpoint: atomic snapshot writes, step-numbered names, the newest snapshot found after a crash.
+"""helpers.rank.checkpoint: atomic snapshot writes, step-numbered names, the newest snapshot found after a crash.
 
 The crash tests run the writer in a child process and SIGKILL it in the middle of a write -- no cleanup
 code runs, as after a power cut, the OOM killer or a preempted node -- then check what a restarted job
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.checkpoint import (latest_snapshot, list_snapshots, load_snapshot, save_atomic, save_snapshot,
+from helpers.rank.checkpoint import (latest_snapshot, list_snapshots, load_snapshot, save_atomic, save_snapshot,
                                 snapshot_path, snapshot_step, state_dict_sha256)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ BIG_NUMEL = 8 * 2**20  # a 32 MiB float32 tensor: written in 1 MiB chunks by the
 CHILD = r"""
 import os, sys, time, builtins
 import torch
-from helpers import checkpoint
+from helpers.rank import checkpoint
 
 directory, mode, numel = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -51,7 +51,7 @@ def slow_open(*args, **kwargs):
 
 state = {"step": 10, "weights": torch.full((numel,), 10.0)}
 if mode == "writing":
-    checkpoint.open = slow_open            # module-level name shadows the builtin inside helpers.checkpoint
+    checkpoint.open = slow_open            # module-level name shadows the builtin inside helpers.rank.checkpoint
     checkpoint.save_snapshot(state, directory, step=10)
 elif mode == "before_rename":
     def never_returns(*args):

@@ -1,12 +1,12 @@
-"""helpers.data: the synthetic set is deterministic and CIFAR-shaped; offline, CIFAR-10 fails fast and says so."""
+"""helpers.rank.data: the synthetic set is deterministic and CIFAR-shaped; offline, CIFAR-10 fails fast and says so."""
 import socket
 import time
 
 import pytest
 import torch
 
-from helpers import data
-from helpers.data import DatasetUnavailableError, get_datasets, make_synthetic
+from helpers.rank import data
+from helpers.rank.data import DatasetUnavailableError, get_datasets, make_synthetic
 
 
 def _stack(dataset, n=None):

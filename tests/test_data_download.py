@@ -1,7 +1,7 @@
 """CIFAR-10's download path, end to end, against a local mirror (this machine cannot reach the real server).
 
 The mirror serves an archive in CIFAR-10's own format with a few images (tests/fake_cifar_mirror.py);
-torchvision's checksums are pointed at it, so the real code runs: helpers.data's reachability probe,
+torchvision's checksums are pointed at it, so the real code runs: helpers.rank.data's reachability probe,
 torchvision's download, MD5 check and unpacking, the on-disk check, and the loader with the course's transform.
 """
 import json
@@ -12,8 +12,9 @@ import torch
 
 from fake_cifar_mirror import MANIFEST_ENV, PER_BATCH, TRAIN_BATCHES, Mirror, build_archive, fake_images, \
     patch_torchvision
-from helpers import data, launch
-from helpers.data import CIFAR10_MEAN, CIFAR10_STD, DatasetUnavailableError, get_datasets
+from helpers.rank import data
+from helpers import launch
+from helpers.rank.data import CIFAR10_MEAN, CIFAR10_STD, DatasetUnavailableError, get_datasets
 from test_data import _stack
 
 ARCHIVE = "/cifar-10-python.tar.gz"
@@ -21,7 +22,7 @@ ARCHIVE = "/cifar-10-python.tar.gz"
 
 @pytest.fixture
 def mirror(tmp_path, monkeypatch):
-    """A running mirror with torchvision and helpers.data pointed at it; proxies bypassed for 127.0.0.1."""
+    """A running mirror with torchvision and helpers.rank.data pointed at it; proxies bypassed for 127.0.0.1."""
     for var in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import launch
-from helpers.metrics import read_metrics, results, steps
-from helpers.models import SimpleCNN
+from helpers.rank.metrics import read_metrics, results, steps
+from helpers.rank.models import SimpleCNN
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "course" / "ddp_cifar10.py"

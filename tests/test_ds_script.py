@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
-from helpers import dsconfig, launch
-from helpers.data import get_datasets
-from helpers.metrics import steps
-from helpers.models import SimpleCNN
+from helpers.calc import dsconfig
+from helpers import launch
+from helpers.rank.data import get_datasets
+from helpers.rank.metrics import steps
+from helpers.rank.models import SimpleCNN
 
 pytestmark = pytest.mark.slow
 

@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from helpers import launch
-from helpers.checkpoint import list_snapshots, snapshot_step, state_dict_sha256
-from helpers.env import gpu_count
-from helpers.metrics import read_metrics, steps
+from helpers.rank.checkpoint import list_snapshots, snapshot_step, state_dict_sha256
+from helpers.rank.devices import gpu_count
+from helpers.rank.metrics import read_metrics, steps
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "course" / "elastic_cifar10.py"

@@ -1,4 +1,4 @@
-"""helpers.env (report, verdict, formulas) and the two communication scripts in course/."""
+"""helpers.notebook.env (report, verdict, formulas) and the two communication scripts in course/."""
 import os
 import shutil
 import subprocess
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import env, launch
-from helpers.metrics import read_metrics, results, steps
+from helpers.notebook import env
+from helpers import launch
+from helpers.rank.metrics import read_metrics, results, steps
 
 ROOT = Path(__file__).resolve().parent.parent
 cpu_only = pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="asserts CPU-machine facts")
@@ -104,7 +105,7 @@ def test_cpu_machine_sees_no_gpu_and_picks_gloo():
 
 
 def test_report_does_not_initialise_cuda_in_the_calling_process():
-    code = ("import torch; from helpers import env; r = env.report(deepspeed=False, torch_compile=False); "
+    code = ("import torch; from helpers.notebook import env; r = env.report(deepspeed=False, torch_compile=False); "
             "assert r['torch_error'] is None, r; print('initialised', torch.cuda.is_initialized())")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
@@ -188,7 +189,7 @@ def test_ds_report_parsing_of_a_cuda_style_table():
 
 @pytest.mark.slow
 def test_real_report_runs_ds_report_and_torch_compile_without_touching_cuda():
-    code = ("import json, torch; from helpers import env; r = env.report(); "
+    code = ("import json, torch; from helpers.notebook import env; r = env.report(); "
             "print(json.dumps({'init': torch.cuda.is_initialized(), 'ds': r['deepspeed'], 'compile': r['compile']}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr

@@ -1,12 +1,12 @@
-"""helpers.exercises: right answers pass, each kind of wrong answer gets its own hint, nothing raises."""
+"""helpers.notebook.exercises: right answers pass, each kind of wrong answer gets its own hint, nothing raises."""
 import doctest
 
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import exercises
-from helpers.exercises import Verdict, check_allreduce_sum, check_global_batch, check_set_epoch, check_shard
+from helpers.notebook import exercises
+from helpers.notebook.exercises import Verdict, check_allreduce_sum, check_global_batch, check_set_epoch, check_shard
 
 GARBAGE = ["sixty-four", None, [1, 2], {"a": 1}, object(), float("nan"), True, 3.5]
 

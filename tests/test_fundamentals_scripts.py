@@ -2,7 +2,7 @@
 import pytest
 
 from helpers import launch
-from helpers.env import gpu_count
+from helpers.rank.devices import gpu_count
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(gpu_count() == 1, reason="two ranks need two GPUs (or none) on this machine")]

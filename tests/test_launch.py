@@ -19,8 +19,8 @@ import torch  # imported up front so no refused launch below pays for importing 
 
 
 import helpers.launch as launch
-from helpers import metrics
-from helpers.env import cpu_count
+from helpers.rank import metrics
+from helpers.rank.devices import cpu_count
 from helpers.launch import LaunchError
 
 STEPS = "tests/scripts/steps.py"

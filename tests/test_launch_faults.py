@@ -22,7 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import launch, metrics
+from helpers import launch
+from helpers.rank import metrics
 from helpers.launch import LaunchError
 
 STEPS = "tests/scripts/steps.py"

@@ -1,9 +1,10 @@
-"""helpers.memory: the ZeRO paper's formulas, DeepSpeed's printed estimate parsed, and measured bytes per rank."""
+"""helpers.calc.memory: the ZeRO paper's formulas, DeepSpeed's printed estimate parsed, and measured bytes per rank."""
 import pytest
 import torch
 
-from helpers import dsconfig, launch, memory
-from helpers.memory import deepspeed_estimate, parse_estimate, zero_model_state_bytes
+from helpers.calc import dsconfig, memory
+from helpers import launch
+from helpers.calc.memory import deepspeed_estimate, parse_estimate, zero_model_state_bytes
 
 GB = 1e9  # the paper's GB
 
@@ -93,7 +94,7 @@ def test_deepspeed_zero3_estimate_has_six_option_rows_and_needs_the_largest_laye
 
 
 def test_largest_layer_is_the_biggest_single_module():
-    from helpers.models import SimpleCNN
+    from helpers.rank.models import SimpleCNN
     assert memory.largest_layer_params(SimpleCNN()) == 64 * 8 * 8 * 128 + 128
 
 
@@ -101,7 +102,8 @@ def test_largest_layer_is_the_biggest_single_module():
 
 
 def test_tally_counts_each_storage_once_and_whole():
-    tally = memory._Tally()
+    from helpers.rank.state import _Tally
+    tally = _Tally()
     flat = torch.zeros(100)
     tally.add("params", flat[:10], "view")       # a view costs its whole storage...
     tally.add("params", flat[50:], "other view")  # ...once

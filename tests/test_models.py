@@ -1,8 +1,8 @@
-"""helpers.models: parameter counts match the layer arithmetic; models map CIFAR-shaped batches to logits."""
+"""helpers.rank.models: parameter counts match the layer arithmetic; models map CIFAR-shaped batches to logits."""
 import pytest
 import torch
 
-from helpers.models import SimpleCNN, WideMLP, count_parameters, make_memory_model, mlp_parameter_count
+from helpers.rank.models import SimpleCNN, WideMLP, count_parameters, make_memory_model, mlp_parameter_count
 
 
 def _conv(c_in, c_out, k):

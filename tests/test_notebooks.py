@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from helpers.course import NOTEBOOKS, syllabus
+from helpers.notebook.runner import NOTEBOOKS, syllabus
 
 _, CHAPTERS = syllabus()
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")

@@ -1,4 +1,4 @@
-"""helpers.ranks: end_rank, how every course script leaves after a successful run (see the module's docstring for
+"""helpers.rank.runtime: end_rank, how every course script leaves after a successful run (see the module's docstring for
 the gloo worker-thread abort it avoids), and forget_deepspeed_shm_buffer."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_end_rank_flushes_output_exits_with_the_code_and_skips_interpreter_teard
     result = _run(f"""
         import atexit, logging, sys
         from pathlib import Path
-        from helpers.ranks import end_rank
+        from helpers.rank.runtime import end_rank
         atexit.register(Path({str(marker)!r}).write_text, "teardown ran")
         logging.basicConfig(stream=sys.stderr)
         print("buffered, no newline", end="")        # stdout is a pipe: block-buffered, unflushed
@@ -45,7 +45,7 @@ def test_end_rank_flushes_output_exits_with_the_code_and_skips_interpreter_teard
 
 def test_end_rank_of_none_is_success(tmp_path):
     result = _run("""
-        from helpers.ranks import end_rank
+        from helpers.rank.runtime import end_rank
         def main():
             print("done")
         end_rank(main())
@@ -56,7 +56,7 @@ def test_end_rank_of_none_is_success(tmp_path):
 def test_a_failing_main_still_raises_with_its_traceback(tmp_path):
     """end_rank is only reached on success; a failure must keep Python's traceback (torchrun's error file too)."""
     result = _run("""
-        from helpers.ranks import end_rank
+        from helpers.rank.runtime import end_rank
         def main():
             raise RuntimeError("rank broke")
         end_rank(main())
@@ -98,7 +98,7 @@ def test_forget_deepspeed_shm_buffer_removes_this_ranks_name_after_the_barrier(t
             import os
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
             import torch.distributed as dist
-            from helpers.ranks import forget_deepspeed_shm_buffer
+            from helpers.rank.runtime import forget_deepspeed_shm_buffer
             dist.init_process_group("gloo")
             forget_deepspeed_shm_buffer(0)
             dist.destroy_process_group()

@@ -1,12 +1,16 @@
-"""The tuning chapter's measurements: helpers.tuning, and course/ddp_tuning.py, course/ds_tuning.py and
+"""The tuning chapter's measurements: helpers.calc.schedules/comm, helpers.rank.state, helpers.notebook.results, and course/ddp_results.py, course/ds_results.py and
 course/ddp_accumulation_check.py launched for real on two CPU ranks (the slow tests)."""
 import math
 
 import pytest
 import torch
 
-from helpers import launch, metrics, tuning
-from helpers.models import SimpleCNN, count_parameters
+from helpers import launch
+from helpers.rank import metrics
+from helpers.calc import comm, schedules
+from helpers.notebook import results
+from helpers.rank import state
+from helpers.rank.models import SimpleCNN, count_parameters
 
 DATA = ["--dataset", "synthetic", "--train-size", "1000", "--batch-size", "16"]
 TIMEOUT_S = 600  # the first DeepSpeed launch on a machine JIT-builds its CPU communication op
@@ -23,7 +27,7 @@ def test_torch_warmup_formula_matches_lambdalr():
         seen.append(scheduler.get_last_lr()[0])
         optimizer.step()
         scheduler.step()
-    assert seen == pytest.approx([tuning.torch_warmup_lr(k, 0.3, 4) for k in range(7)])
+    assert seen == pytest.approx([schedules.torch_warmup_lr(k, 0.3, 4) for k in range(7)])
     assert seen[0] == 0.0 and seen[4:] == pytest.approx([0.3] * 3)
 
 
@@ -36,12 +40,12 @@ def test_deepspeed_warmup_formula_matches_warmuplr_stepped_like_the_engine():
         seen.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert seen == pytest.approx([tuning.deepspeed_warmup_lr(k, 0.3, 4) for k in range(8)])
+    assert seen == pytest.approx([schedules.deepspeed_warmup_lr(k, 0.3, 4) for k in range(8)])
     assert seen[:2] == [0.0, 0.0], "with warmup_min_lr 0, WarmupLR's first two steps change nothing"
 
 
 def test_warmup_formulas_without_warmup_are_constant():
-    assert tuning.torch_warmup_lr(0, 0.1, 0) == tuning.deepspeed_warmup_lr(0, 0.1, 0) == 0.1
+    assert schedules.torch_warmup_lr(0, 0.1, 0) == schedules.deepspeed_warmup_lr(0, 0.1, 0) == 0.1
 
 
 @pytest.mark.parametrize("op, message, expected", [
@@ -51,11 +55,11 @@ def test_warmup_formulas_without_warmup_are_constant():
     ("broadcast", 7, 7.0),
 ])
 def test_bytes_sent_per_rank_uses_ring_costs(op, message, expected):
-    assert tuning.bytes_sent_per_rank(op, message, 2) == expected
+    assert comm.bytes_sent_per_rank(op, message, 2) == expected
 
 
 def test_bytes_sent_per_rank_grows_towards_twice_the_buffer_for_all_reduce():
-    assert tuning.bytes_sent_per_rank("all_reduce", 1000, 8) == pytest.approx(1750.0)
+    assert comm.bytes_sent_per_rank("all_reduce", 1000, 8) == pytest.approx(1750.0)
 
 
 def test_model_state_bytes_counts_params_grads_and_adamw_state_once():
@@ -65,9 +69,10 @@ def test_model_state_bytes_counts_params_grads_and_adamw_state_once():
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
     p, tensors = count_parameters(model), len(list(model.parameters()))
-    states = tuning.model_state_bytes(model, optimizer)
+    states = state.model_state_bytes(model, optimizer)
     # AdamW: exp_avg and exp_avg_sq per parameter, plus a 4-byte fp32 step counter per tensor
-    assert states == {"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p + 4 * tensors, "total": 16 * p + 4 * tensors}
+    assert states == {"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p + 4 * tensors, "total": 16 * p + 4 * tensors,
+                      "buffers": 0}  # a torch optimizer keeps no communication buffers
 
 
 def test_model_state_bytes_counts_a_shared_storage_once():
@@ -76,7 +81,7 @@ def test_model_state_bytes_counts_a_shared_storage_once():
     module = torch.nn.Module()
     module.a, module.b = a, b
     a.grad, b.grad = torch.zeros(5), torch.zeros(5)
-    states = tuning.model_state_bytes(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    states = state.model_state_bytes(module, torch.optim.SGD(module.parameters(), lr=0.1))
     assert states["params"] == 40 and states["grads"] == 40 and states["optimizer"] == 0
 
 
@@ -84,14 +89,14 @@ def test_dir_bytes_sums_files_of_a_folder_and_reads_one_file(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 10)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"y" * 5)
-    assert tuning.dir_bytes(tmp_path) == 15 and tuning.dir_bytes(tmp_path / "a") == 10
+    assert state.dir_bytes(tmp_path) == 15 and state.dir_bytes(tmp_path / "a") == 10
 
 
 def test_table_leaves_out_columns_no_row_has():
-    text = tuning.table([{"label": "DDP", "model_states_mb": 304.2, "final_loss": 1.5},
-                         {"label": "ZeRO-3", "model_states_mb": 190.0, "final_loss": None}])
+    text = results.table([{"label": "DDP", "model_states_mib": 304.2, "final_loss": 1.5},
+                         {"label": "ZeRO-3", "model_states_mib": 190.0, "final_loss": None}])
     header, rule, *rows = text.splitlines()
-    assert "model states MB/rank" in header and "final loss" in header and "samples/s" not in header
+    assert "model states MiB/rank" in header and "final loss" in header and "samples/s" not in header
     assert rows[0].split() == ["DDP", "304", "1.5000"] and rows[1].split() == ["ZeRO-3", "190", "-"]
 
 
@@ -101,11 +106,11 @@ slow = pytest.mark.slow
 
 
 def _ddp(args, **kw):
-    return launch.torchrun("course/ddp_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none", **kw)
+    return launch.torchrun("course/ddp_results.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none", **kw)
 
 
 def _ds(args):
-    return launch.deepspeed("course/ds_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none")
+    return launch.deepspeed("course/ds_results.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none")
 
 
 def _losses(run, rank=0):
@@ -136,8 +141,8 @@ def test_ddp_and_deepspeed_fp32_runs_compute_the_same_losses(module_runs_root):
     assert ddp.result["global_batch"] == ds.result["global_batch"] == 16 * 2 * 2
     # what each rank sends per optimizer step: DDP all-reduces the gradients once (no_sync on the first micro batch)
     params = ddp.result["params"]
-    assert tuning.comm_per_step(ddp)["all_reduce"]["bytes"] == 4 * params
-    assert tuning.comm_per_step(ds)["total_sent_bytes"] > 0
+    assert results.comm_per_step(ddp)["all_reduce"]["bytes"] == 4 * params
+    assert results.comm_per_step(ds)["total_sent_bytes"] > 0
 
 
 def _update_norm(run, save_dir, load):
@@ -158,7 +163,7 @@ def test_clip_grad_norm_bounds_the_applied_update(module_runs_root):
     assert reported > 0.5, "the test needs a gradient larger than the clip"
     moved = _update_norm(run, save, lambda d: torch.load(d / "ddp_checkpoint.pt", map_location="cpu")["model"])
     assert moved == pytest.approx(0.5, rel=1e-4)
-    assert run.result["checkpoint_bytes"] == tuning.dir_bytes(save)
+    assert run.result["checkpoint_bytes"] == state.dir_bytes(save)
 
 
 @slow
@@ -179,7 +184,7 @@ def test_deepspeed_gradient_clipping_bounds_the_applied_update(module_runs_root)
 def test_warmup_rates_in_real_runs_follow_the_formulas(module_runs_root):
     ddp = _ddp(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01"])
     ds = _ds(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01", "--stage", "1"])
-    for run, formula in ((ddp, tuning.torch_warmup_lr), (ds, tuning.deepspeed_warmup_lr)):
+    for run, formula in ((ddp, schedules.torch_warmup_lr), (ds, schedules.deepspeed_warmup_lr)):
         lrs = [r["lr"] for r in metrics.steps(run.metrics, 0)]
         assert lrs == pytest.approx([formula(k, 0.01, 3) for k in range(6)])
 
@@ -202,10 +207,10 @@ def test_every_rank_reports_memory_and_step_time_each_step(module_runs_root):
     for rank in (0, 1):
         records = metrics.steps(run.metrics, rank)
         assert [r["step"] for r in records] == [0, 1, 2]
-        assert all(r["rss_mb"] > 0 and r["step_s"] > 0 for r in records)
-    row = tuning.summary(run, "DDP")
-    assert row["model_states_mb"] * 2**20 == pytest.approx(16 * run.result["params"], rel=1e-3)
-    assert set(row["peak_rss_mb_by_rank"]) == {0, 1}
+        assert all(r["rss_mib"] > 0 and r["step_s"] > 0 for r in records)
+    row = results.summary(run, "DDP")
+    assert row["model_states_mib"] * 2**20 == pytest.approx(16 * run.result["params"], rel=1e-3)
+    assert set(row["max_rss_mib_by_rank"]) == {0, 1}
 
 
 @slow

@@ -1,7 +1,7 @@
 """The ZeRO memory calculator shows the paper's figures and DeepSpeed's, and follows its controls."""
 import pytest
 
-from helpers.widgets import zero_calculator, zero_calculator_text
+from helpers.notebook.widgets import zero_calculator, zero_calculator_text
 
 P = 7.5e9  # the ZeRO paper's Figure 1: 7.5B parameters, 64 devices, mixed-precision Adam (K = 12)
 
@@ -121,8 +121,8 @@ def test_widget_plain_text_form_is_the_calculator_text():
 
 
 def test_config_builder_writes_a_config_the_scripts_accept(tmp_path):
-    from helpers import dsconfig
-    from helpers.widgets import config_builder
+    from helpers.calc import dsconfig
+    from helpers.notebook.widgets import config_builder
 
     target = tmp_path / "cfg.json"
     builder = config_builder(target, world_size=2, accelerator="cpu")
@@ -138,7 +138,7 @@ def test_config_builder_writes_a_config_the_scripts_accept(tmp_path):
 
 
 def test_config_builder_refuses_fp16_on_cpu_and_writes_nothing(tmp_path):
-    from helpers.widgets import config_builder
+    from helpers.notebook.widgets import config_builder
 
     target = tmp_path / "cfg.json"
     builder = config_builder(target, accelerator="cpu")
@@ -149,7 +149,7 @@ def test_config_builder_refuses_fp16_on_cpu_and_writes_nothing(tmp_path):
 
 
 def test_config_builder_refuses_param_offload_below_stage_3(tmp_path):
-    from helpers.widgets import config_builder
+    from helpers.notebook.widgets import config_builder
 
     builder = config_builder(tmp_path / "cfg.json", accelerator="cpu")
     builder.controls["stage"].value = 2

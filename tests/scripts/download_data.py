@@ -1,4 +1,4 @@
-"""Fixture: every rank calls helpers.data.get_datasets("auto") against the fake CIFAR-10 mirror.
+"""Fixture: every rank calls helpers.rank.data.get_datasets("auto") against the fake CIFAR-10 mirror.
 
 Launched by tests/test_data_download.py with ``--root``; the mirror's manifest comes from FAKE_CIFAR_MANIFEST.
 Each rank reports what it loaded and a digest of its images, so the test can check that rank 0 alone
@@ -15,9 +15,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for fake_cifar_mirror
 from fake_cifar_mirror import patch_from_env  # noqa: E402
 
-from helpers.data import get_datasets  # noqa: E402
-from helpers.metrics import Reporter  # noqa: E402
-from helpers.ranks import end_rank  # noqa: E402
+from helpers.rank.data import get_datasets  # noqa: E402
+from helpers.rank.metrics import Reporter  # noqa: E402
+from helpers.rank.runtime import end_rank  # noqa: E402
 
 
 def main():

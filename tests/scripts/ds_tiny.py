@@ -9,8 +9,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from helpers.metrics import Reporter
-from helpers.ranks import end_rank
+from helpers.rank.metrics import Reporter
+from helpers.rank.runtime import end_rank
 
 
 def main():

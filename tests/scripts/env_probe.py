@@ -3,7 +3,7 @@ import os
 
 import torch
 
-from helpers.metrics import Reporter
+from helpers.rank.metrics import Reporter
 
 rank = int(os.environ["RANK"])
 print(f"pid={os.getpid()} rank={rank} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)

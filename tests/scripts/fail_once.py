@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from helpers.metrics import Reporter
-from helpers.ranks import end_rank
+from helpers.rank.metrics import Reporter
+from helpers.rank.runtime import end_rank
 
 
 @record

@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from helpers.ranks import end_rank
+from helpers.rank.runtime import end_rank
 
 dist.init_process_group("gloo")
 t = torch.ones(1)

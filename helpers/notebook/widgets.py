@@ -2,11 +2,11 @@
 
 The calculator puts two answers to "how many bytes of model states does each device hold?" side by side: the ZeRO
 paper's formula (Rajbhandari et al. 2020, arXiv:1910.02054, Fig. 1) and DeepSpeed's own estimator (stages 2 and 3).
-Every figure comes from :mod:`helpers.memory`; this module only chooses, arranges and labels them.
+Every figure comes from :mod:`helpers.calc.memory`; this module only chooses, arranges and labels them.
 
 Example::
 
-    from helpers.widgets import zero_calculator, zero_calculator_text
+    from helpers.notebook.widgets import zero_calculator, zero_calculator_text
     zero_calculator()                               # sliders and toggles; the table follows them
     print(zero_calculator_text(7.5e9, 64, stage=1)) # the same figures as text: total 31.4 GB per device
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import ipywidgets as w
 
-from . import memory
+from ..calc import memory
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 DEVICE_CHOICES = tuple(2 ** i for i in range(11))  # 1 .. 1024
@@ -292,7 +292,7 @@ class ZeroCalculator(w.VBox):
 class ConfigBuilder(w.VBox):
     """Choose a few things, see the ds_config they make and what is wrong with it, write it to a JSON file.
 
-    The file is written only when :func:`helpers.dsconfig.build` finds no problem for this machine's accelerator,
+    The file is written only when :func:`helpers.calc.dsconfig.build` finds no problem for this machine's accelerator,
     so whatever it writes is a config ``course/ds_cifar10.py --deepspeed_config <file>`` accepts.
 
     Example::
@@ -303,7 +303,7 @@ class ConfigBuilder(w.VBox):
     """
 
     def __init__(self, path="runs/ds_config.json", world_size: int = 2, accelerator: str | None = None):
-        from . import dsconfig
+        from ..calc import dsconfig
         self._dsconfig = dsconfig
         self.accelerator = accelerator
         style = {"description_width": "150px"}
@@ -339,7 +339,12 @@ class ConfigBuilder(w.VBox):
 
     def config(self) -> dict:
         """The config for the current choices; raises ``dsconfig.ConfigError`` saying what to change."""
-        return self._dsconfig.build(**self.choices(), accelerator=self.accelerator)
+        accelerator = self.accelerator or self._dsconfig.default_accelerator()
+        capabilities = None
+        if accelerator == "cuda":
+            from .env import cuda_capabilities
+            capabilities = cuda_capabilities()
+        return self._dsconfig.build(**self.choices(), accelerator=accelerator, capabilities=capabilities)
 
     def _refresh(self, written=None) -> None:
         import json

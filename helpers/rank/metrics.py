@@ -27,9 +27,60 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, TypedDict
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class TrainStep(TypedDict, total=False):
+    """The fields of a ``kind="step"`` record of a training script (``Reporter.step``); units in the names.
+
+    Memory is in MiB (2**20 bytes) everywhere in this course, and the field names say so.
+    """
+
+    step: int             # the step's index (micro batches for ds_cifar10.py, optimizer steps for *_tuning.py)
+    loss: float           # this rank's training loss of the step (the accumulated mean with --accumulation)
+    samples: int          # samples this rank processed in the step
+    epoch: int            # the epoch the step belongs to
+    lr: float             # the learning rate the step's optimizer update used
+    grad_norm: float      # global gradient norm before clipping
+    optimizer_step: int   # DeepSpeed: optimizer steps taken so far (engine.global_steps)
+    step_s: float         # wall seconds of the step, measured on this rank (synchronised on GPUs)
+    attempt: int          # elastic: which start of the worker group (0 = first) ran the step
+    rss_mib: float        # resident memory of the rank process sampled at the end of the step (psutil)
+    cuda_mib: float       # CUDA memory allocated at the end of the step (torch.cuda.memory_allocated)
+    cuda_peak_mib: float  # CUDA high-water mark since the process started (torch.cuda.max_memory_allocated)
+
+
+class TrainResult(TypedDict, total=False):
+    """The fields of ``kind="result"`` records of the training scripts (``Reporter.result``), read by notebooks.
+
+    Rank 0 writes the run's facts; every rank writes what it measured of itself (``model_state_bytes``,
+    ``comm_per_step``), read back per rank with ``Run.results_by_rank()``.
+    """
+
+    framework: str            # "ddp", "deepspeed" (and the FSDP2 chapter's "fsdp2")
+    world_size: int           # ranks in the job
+    global_batch: int         # samples behind one optimizer step, across all ranks
+    params: int               # trainable parameters of the model (before any sharding)
+    dtype: str                # training precision: "fp32", "bf16", "fp16", or "bf16-autocast"
+    zero_stage: int           # DeepSpeed's ZeRO stage
+    offload: str              # DeepSpeed's ZeRO offload ("optimizer", "param", "both") or None
+    dataset: str              # "cifar10" or "synthetic" (generated data is never called CIFAR-10)
+    test_accuracy: float      # accuracy on the whole test set, 0..1
+    train_samples: int        # samples trained on, all ranks together
+    train_seconds: float      # wall seconds of the training loop on rank 0
+    samples_per_s: float      # training throughput, all ranks together: samples / seconds of the timed steps
+    first_step_s: float       # wall seconds of the first step (start-up costs: allocator, compile, first bucket)
+    optimizer_steps: int      # optimizer steps taken
+    compiled: bool            # the model ran under torch.compile
+    checkpoint: str           # path of the saved checkpoint (file or folder)
+    checkpoint_bytes: int     # its size on disk
+    rss_start_mib: float      # resident memory before the model existed: the framework's own share
+    peak_rss_mib: float       # the rank's resident-memory high-water mark (getrusage ru_maxrss) at the end
+    cuda_peak_mib: float      # the rank's CUDA high-water mark at the end (torch.cuda.max_memory_allocated)
+    model_state_bytes: dict   # helpers.rank.state.model_state_bytes: params, grads, optimizer, total, buffers
+    comm_per_step: dict       # {collective: {"calls", "bytes"}} this rank handed to collectives per optimizer step
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
@@ -65,10 +116,6 @@ class Reporter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    @property
-    def enabled(self) -> bool:
-        return self._fd is not None
-
     def write(self, kind: str, **fields: Any) -> None:
         if self._fd is None:
             return
@@ -92,12 +139,6 @@ class Reporter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-    def __enter__(self) -> "Reporter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:

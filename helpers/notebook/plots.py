@@ -1,7 +1,7 @@
 """Matplotlib figures the notebooks show. Each takes records read from a run directory."""
 from __future__ import annotations
 
-from . import metrics as _metrics
+from ..rank import metrics as _metrics
 
 
 def _plt():
@@ -52,14 +52,14 @@ def scaling(results_by_world: dict[int, dict], title: str | None = None):
     worlds = sorted(results_by_world)
     labels = [f"{n} rank{'s' if n > 1 else ''}" for n in worlds]
     rates = [results_by_world[n]["samples_per_s"] for n in worlds]
-    gpu = all("peak_cuda_mb" in results_by_world[n] for n in worlds)
-    mems = [results_by_world[n]["peak_cuda_mb" if gpu else "peak_rss_mb"] for n in worlds]
+    gpu = all("cuda_peak_mib" in results_by_world[n] for n in worlds)
+    mems = [results_by_world[n]["cuda_peak_mib" if gpu else "peak_rss_mib"] for n in worlds]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
     a.bar(labels, rates, color="tab:blue")
     a.set_ylabel("samples/s (all ranks)")
     a.set_title("throughput")
     b.bar(labels, mems, color="tab:orange")
-    b.set_ylabel("MB per rank")
+    b.set_ylabel("MiB per rank")
     b.set_title("peak GPU memory" if gpu else "peak process memory (RSS)")
     for ax, values in ((a, rates), (b, mems)):
         for i, v in enumerate(values):
@@ -73,7 +73,7 @@ def memory_by_stage(rows: list[dict], title: str | None = None):
     """Stacked bars of model-state bytes per rank, measured next to the formula, for each ZeRO stage.
 
     ``rows``: dicts with ``stage``, ``rank``, ``measured`` and ``formula`` (each ``{params, grads, optimizer}``
-    bytes), as built in notebook 03 from ``helpers.memory.compare_to_formula``; the rank holding most is shown."""
+    bytes), as built in notebook 03 from ``helpers.calc.memory.compare_to_formula``; the rank holding most is shown."""
     plt = _plt()
     stages = sorted({r["stage"] for r in rows})
     worst = {s: max((r for r in rows if r["stage"] == s), key=lambda r: r["measured"]["total"]) for s in stages}
@@ -97,26 +97,26 @@ def memory_by_stage(rows: list[dict], title: str | None = None):
 
 
 def comparison(rows: list[dict], title: str | None = None):
-    """Four panels for runs of the same model and data (rows of :func:`helpers.tuning.summary`): memory per rank
+    """Four panels for runs of the same model and data (rows of :func:`helpers.notebook.results.summary`): memory per rank
     (model states measured and peak process or GPU memory), samples/s, bytes sent per step, checkpoint size."""
     plt = _plt()
     labels = [r["label"] for r in rows]
     x = list(range(len(rows)))
-    gpu = all(r.get("peak_cuda_mb") is not None for r in rows)
-    peak_key, peak_name = ("peak_cuda_mb", "peak GPU memory") if gpu else ("peak_rss_mb", "peak RSS")
+    gpu = all(r.get("cuda_peak_mib") is not None for r in rows)
+    peak_key, peak_name = ("cuda_peak_mib", "peak GPU memory") if gpu else ("max_rss_mib", "max RSS")
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.4))
     mem = axes[0][0]
     width = 0.38
-    states = [r["model_states_mb"] for r in rows]
+    states = [r["model_states_mib"] for r in rows]
     peaks = [r[peak_key] for r in rows]
     mem.bar([i - width / 2 for i in x], states, width, label="model states (measured)", color="tab:green")
     mem.bar([i + width / 2 for i in x], peaks, width, label=peak_name, color="tab:gray")
-    mem.set_ylabel("MB per rank (rank 0)")
+    mem.set_ylabel("MiB per rank (rank 0)")
     mem.set_title("memory per rank")
     mem.legend(fontsize=8)
     panels = ((axes[0][1], "samples_per_s", "samples/s (all ranks)", "throughput", "tab:blue"),
-              (axes[1][0], "comm_mb_per_step", "MB sent per step per rank", "communication", "tab:purple"),
-              (axes[1][1], "checkpoint_mb", "MB on disk", "checkpoint size", "tab:orange"))
+              (axes[1][0], "comm_mib_per_step", "MiB sent per step per rank", "communication", "tab:purple"),
+              (axes[1][1], "checkpoint_mib", "MiB on disk", "checkpoint size", "tab:orange"))
     for ax, key, ylabel, name, color in panels:
         values = [r.get(key) or 0.0 for r in rows]
         ax.bar(x, values, color=color)

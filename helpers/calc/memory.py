@@ -10,12 +10,13 @@ variance). ZeRO splits them over the N data-parallel ranks, one more kind per st
     stage 2 (+ gradients split)          2 P + (2 + K) P / N
     stage 3 (+ parameters split)         (4 + K) P / N
 
-Three columns, one function each:
+Pure calculations (no process group, no subprocess); the measured column lives on the rank side:
 
 * :func:`zero_model_state_bytes` -- the formula (``precision="mixed"`` as above; ``"fp32"``: 4 + 4 + K = 8).
 * :func:`deepspeed_estimate` -- DeepSpeed's own ``estimate_zero{2,3}_model_states_mem_needs_all_cold``, whose
   printed table is captured and parsed.
-* :func:`measured_model_state_bytes` -- the bytes one rank of a running engine holds, read from the engine.
+* :func:`compare_to_formula` -- what a rank measured (:func:`helpers.rank.state.model_state_bytes`) against the
+  formula.
 
 Example::
 
@@ -27,8 +28,6 @@ import contextlib
 import io
 import os
 import re
-from collections import defaultdict
-from typing import Any
 
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}  # bytes per parameter: (weight, gradient, optimizer K)
 STAGES = (0, 1, 2, 3)
@@ -133,7 +132,7 @@ def deepspeed_estimate(params: int, num_gpus_per_node: int, num_nodes: int = 1, 
         raise ValueError(f"DeepSpeed has estimators for stage 2 and 3 only, got stage={stage!r}")
     if stage == 3 and largest_layer_params is None:
         raise ValueError("stage 3 needs largest_layer_params (parameters of the biggest module; "
-                         "helpers.memory.largest_layer_params(model) counts them)")
+                         "helpers.calc.memory.largest_layer_params(model) counts them)")
     kw = dict(total_params=params, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
               additional_buffer_factor=additional_buffer_factor)
     buf = io.StringIO()
@@ -160,123 +159,6 @@ def deepspeed_estimate(params: int, num_gpus_per_node: int, num_nodes: int = 1, 
         cpu, gpu = exact(**kw, **extra)[:2]
         row.update(per_cpu_bytes=cpu, per_gpu_bytes=gpu)
     return {"text": buf.getvalue(), "rows": rows}
-
-
-# --------------------------------------------------------------------------------------------- measured
-
-
-class _Tally:
-    """Bytes per kind, each storage counted once (views and flat buffers share storage)."""
-
-    def __init__(self):
-        self.seen: set = set()
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.sources: dict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, tensor: Any, source: str) -> None:
-        import torch
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-            return  # meta tensors are shape bookkeeping, no memory
-        storage = tensor.untyped_storage()
-        key = (tensor.device.type, tensor.device.index, storage.data_ptr())
-        if storage.nbytes() == 0 or key in self.seen:
-            return
-        self.seen.add(key)
-        self.bytes[kind] += storage.nbytes()
-        self.sources[f"{kind}: {source}"] += storage.nbytes()
-
-
-def _walk(obj, path: str, tally: _Tally, visited: set, depth: int = 0) -> None:
-    """Every tensor reachable from a DeepSpeed optimizer's attributes: gradients if the path names them, else buffers."""
-    import torch
-    if depth > 8 or id(obj) in visited:
-        return
-    visited.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        tally.add("grads" if "grad" in path.lower() else "buffers", obj, re.sub(r"\[[^\]]*\]", "[]", path))
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _walk(value, f"{path}[{key if isinstance(key, (str, int)) else ''}]", tally, visited, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _walk(value, f"{path}[{i}]", tally, visited, depth + 1)
-    elif not isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith("deepspeed") \
-            and hasattr(obj, "__dict__"):
-        for name, value in vars(obj).items():
-            _walk(value, f"{path}.{name}", tally, visited, depth + 1)
-
-
-def measured_model_state_bytes(engine, *, detail: bool = False) -> dict:
-    """Bytes of parameters, gradients and optimizer state this rank holds now, read from a DeepSpeed engine.
-
-    Call it right after a ``engine.backward`` that follows at least one ``engine.step`` (gradients are live and
-    Adam's state exists). Returns ``params``, ``grads``, ``optimizer``, ``total`` (their sum) and ``buffers``
-    (communication buckets and other tensors the ZeRO optimizer keeps, not model states, not in ``total``);
-    ``detail=True`` adds ``sources``, bytes per place they were found. The big buffer at stages 1 and 3 is the
-    gradient reduce bucket: ``reduce_bucket_size`` elements (default 5e8, i.e. 1 GB in bf16) per rank.
-
-    Where each lives in DeepSpeed 0.19: params are the module's parameters (at stage 1/2 views of one flat
-    buffer, ``bit16_groups_flat``; at stage 3 each parameter's ``ds_tensor`` partition plus the small
-    "persistent" parameters every rank keeps whole); the optimizer column is the base torch optimizer's state
-    (Adam m, v) plus the tensors it updates when they are not the module's (the fp32 master copies:
-    ``single_partition_of_fp32_groups`` at stage 1/2, ``fp32_partitioned_groups_flat`` at stage 3); gradients are
-    the parameters' ``.grad`` (stage 0, and stage 1 between micro batches of an accumulation) and the ZeRO
-    optimizer's partitioned gradients (``averaged_gradients``/``all_grad_tensors`` at stage 1/2,
-    ``grad_partitions_flat_buffer`` at stage 3). Each storage is counted once, whole (``nbytes`` of the storage,
-    deduplicated by its address), so views into a flat buffer cost nothing extra and a view keeping a larger
-    tensor alive costs all of it.
-
-    Systematic differences from :func:`zero_model_state_bytes` (with K = :func:`deepspeed_k`):
-
-    * alignment padding of the flat partitions (a few elements per rank) and, at stage 3, the persistent small
-      parameters (below ``stage3_param_persistence_threshold``, 1e5 elements) held whole on every rank -- tiny
-      for a model of wide layers;
-    * stage 2 keeps the whole gradients of the parameters that overlap its partition, not just the slice (its
-      partitioned gradients are views into them), so a rank can hold up to one layer more than P/N of gradient;
-      with a few big layers that is visible (make_memory_model(20e6) at depth 4: +35% gradient on one rank),
-      with many smaller ones it is not (depth 8: +12%, 2% of the total);
-    * stage 1 holds the full gradient only while gradients accumulate (between the micro batches of one
-      optimizer step, or during backward); at the accumulation boundary DeepSpeed reduces it into this rank's
-      partition and frees the rest. Measure inside an accumulation (gradient_accumulation_steps >= 2) to see
-      the paper's stage-1 row; with gradient_accumulation_steps = 1 stage 1 reads like stage 2.
-
-    Example::
-
-        engine.backward(loss)                      # a step after the first engine.step()
-        mem = measured_model_state_bytes(engine)   # {'params': ..., 'grads': ..., 'optimizer': ..., 'total': ...}
-    """
-    import torch
-    tally = _Tally()
-    for p in engine.module.parameters():
-        tally.add("params", p, "module parameters")
-        tally.add("params", getattr(p, "ds_tensor", None), "ZeRO-3 parameter partitions (ds_tensor)")
-    optimizer = engine.optimizer
-    base = optimizer
-    while base is not None and not isinstance(base, torch.optim.Optimizer):
-        base = getattr(base, "optimizer", None)  # DeepSpeed's wrappers hold the torch optimizer as .optimizer
-    if base is not None:
-        # The tensors the torch optimizer updates are the master weights; ZeRO-3 swaps them into param_groups
-        # only during its step, but they stay the keys of the optimizer's state.
-        masters = [p for g in base.param_groups for p in g["params"]] + list(base.state.keys())
-        for p in masters:
-            tally.add("optimizer", p, "master weights (the tensors the optimizer updates)")
-        for state in base.state.values():
-            for value in state.values():
-                tally.add("optimizer", value, "optimizer state (Adam m, v)")
-    for p in engine.module.parameters():
-        tally.add("grads", p.grad, "module parameters' .grad")
-        tally.add("grads", getattr(p, "grad_accum", None), "module parameters' .grad_accum")
-    if base is not None:
-        for p in masters:
-            tally.add("grads", p.grad, "master weights' .grad")
-    if optimizer is not base and optimizer is not None:
-        _walk(optimizer, type(optimizer).__name__, tally, visited={id(base)})
-    out = {k: int(tally.bytes.get(k, 0)) for k in ("params", "grads", "optimizer")}
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    out["buffers"] = int(tally.bytes.get("buffers", 0))
-    if detail:
-        out["sources"] = dict(sorted(tally.sources.items(), key=lambda kv: -kv[1]))
-    return out
 
 
 def compare_to_formula(measured: dict, params: int, world_size: int, stage: int, dtype: str) -> dict:

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import numbers
 import os
@@ -33,36 +34,89 @@ DTYPES = ("fp32", "bf16", "fp16")
 OFFLOAD_CHOICES = (None, "optimizer", "param", "both")
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 
-# Every top-level key DeepSpeed 0.19 reads (found by recording the keys DeepSpeedConfig looks up;
-# tests/test_dsconfig.py repeats that recording so an upgrade that adds keys is noticed).
-KNOWN_KEYS = frozenset("""
-activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet comms_logger communication_data_type
-compile compression_training csv_monitor curriculum_learning data_efficiency data_types dataloader_drop_last
-datastates_ckpt disable_allgather disable_python_gc dump_state eigenvalue elasticity expert_parallel flops_profiler
-fp16 gradient_accumulation_steps gradient_allreduce_op gradient_clipping gradient_predivide_factor graph_harvesting
-hybrid_engine log_level managed_gradient_accumulation memory_breakdown nebula optimizer pipeline prescale_gradients
-progressive_layer_drop quantize_training scheduler seq_parallel_communication_data_type sequence_parallel_size
-sparse_attention sparse_gradients steps_per_print tensor_parallel tensorboard timers torch_autocast train_batch_size
-train_micro_batch_size_per_gpu use_data_before_expert_parallelism vocabulary_size wall_clock_breakdown wandb
-weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer zero_optimization
-""".split())
 
-# The fields of DeepSpeed's ZeRO config model (it rejects anything else, with a pydantic error).
-ZERO_KEYS = frozenset("""
-allgather_bucket_size allgather_partitions compute_grad_norm contiguous_gradients cpu_offload cpu_offload_param
-cpu_offload_use_pin_memory elastic_checkpoint enable_sanity_checks ignore_unused_parameters leaf_module
-legacy_stage1 load_from_fp32_weights log_trace_cache_warnings memory_efficient_linear offload_optimizer
-offload_param overlap_comm override_module_apply parameter_alignment pipeline_loading_checkpoint
-reduce_bucket_size reduce_scatter round_robin_gradients save_muon_momentum_buffer_in_memory stage
-stage3_allgather_sequential stage3_gather_16bit_weights_on_model_save stage3_gather_fp16_weights_on_model_save
-stage3_max_live_parameters stage3_max_reuse_distance stage3_model_persistence_threshold
-stage3_module_granularity_threshold stage3_param_persistence_threshold stage3_prefetch_bucket_size
-stage3_use_all_reduce_for_fetch_params sub_group_size use_multi_rank_bucket_allreduce zenflow
-zero_hpz_partition_size zero_quantized_gradients zero_quantized_nontrainable_weights zero_quantized_weights
-""".split())
 
-DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lamb", "Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon")
-DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+class _OneRank:
+    """Stands in for torch.distributed while DeepSpeedConfig is read outside a job (it asks for the world size)."""
+
+    def is_initialized(self):
+        return False
+
+    def get_rank(self, *args, **kwargs):
+        return 0
+
+    def get_world_size(self, *args, **kwargs):
+        return 1
+
+
+class _Recording(dict):
+    """A config dict that remembers every key read from it."""
+
+    def __init__(self, data, seen):
+        super().__init__(data)
+        self.seen = seen
+
+    def __getitem__(self, k):
+        self.seen.add(k)
+        return dict.__getitem__(self, k)
+
+    def get(self, k, default=None):
+        self.seen.add(k)
+        return dict.get(self, k, default)
+
+    def __contains__(self, k):
+        self.seen.add(k)
+        return dict.__contains__(self, k)
+
+    def keys(self):  # DeepSpeedConfig also asks `"optimizer" in config.keys()`
+        return _RecordingKeys(self)
+
+
+class _RecordingKeys:
+    def __init__(self, config: _Recording):
+        self.config = config
+
+    def __contains__(self, k):
+        self.config.seen.add(k)
+        return dict.__contains__(self.config, k)
+
+    def __iter__(self):
+        return iter(dict.keys(self.config))
+
+    def __len__(self):
+        return len(self.config)
+
+
+@functools.lru_cache(maxsize=1)
+def known_keys() -> frozenset[str]:
+    """Every top-level key the installed DeepSpeed reads: recorded while its own ``DeepSpeedConfig`` parses a
+    minimal config, so a DeepSpeed upgrade that adds keys is known without a list kept by hand here."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # in a notebook kernel importing DeepSpeed must not pick CUDA
+    from unittest import mock
+
+    import deepspeed.runtime.config as ds_config
+
+    seen: set = set()
+    with mock.patch.object(ds_config, "dist", _OneRank()):
+        ds_config.DeepSpeedConfig(_Recording({"train_micro_batch_size_per_gpu": 1}, seen))
+    return frozenset(k for k in seen if isinstance(k, str))
+
+
+@functools.lru_cache(maxsize=1)
+def zero_keys() -> frozenset[str]:
+    """The fields of DeepSpeed's ZeRO config model (it rejects anything else, with a pydantic error)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return frozenset(f.alias or name for name, f in DeepSpeedZeroConfig.model_fields.items())
+
+
+@functools.lru_cache(maxsize=1)
+def deepspeed_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(optimizer names in lower case, LR scheduler names) that DeepSpeed builds itself from a config's "type"."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    return frozenset(n.lower() for n in DEEPSPEED_OPTIMIZERS), frozenset(VALID_LR_SCHEDULES)
 
 
 class ConfigError(ValueError):
@@ -76,16 +130,18 @@ class ConfigError(ValueError):
 
 def default_accelerator() -> str:
     """``"cuda"`` when GPUs are visible, else ``"cpu"`` (counted without initialising CUDA)."""
-    from .env import gpu_count
-    return "cuda" if gpu_count() > 0 else "cpu"
+    import torch
+    return "cuda" if torch.cuda.device_count() > 0 else "cpu"
 
 
-def supported_dtypes(accelerator: str) -> set[str]:
+def supported_dtypes(accelerator: str, capabilities: list[str] | None = None) -> set[str]:
     """Training precisions this course runs on ``accelerator``.
 
     CPU: fp32 and bf16 (DeepSpeed's CPU accelerator; fp16 needs loss scaling and GPU kernels).
-    CUDA: fp32 and fp16 everywhere, bf16 on compute capability 8.0+ (Ampere and later); the capability
-    comes from helpers.env's subprocess probe, so this process never initialises CUDA.
+    CUDA: fp32 and fp16 everywhere, bf16 on compute capability 8.0+ (Ampere and later). Inside a rank, where CUDA
+    is initialised, CUDA is asked; in the notebook kernel, which never initialises CUDA, the caller passes the
+    ``capabilities`` ("8.0", ...) its subprocess probe found (``helpers.notebook.env.devices``); unknown
+    capabilities do not block bf16 (DeepSpeed will say).
     """
     if accelerator == "cpu":
         return {"fp32", "bf16"}
@@ -94,11 +150,10 @@ def supported_dtypes(accelerator: str) -> set[str]:
         import torch
         if torch.cuda.is_initialized():  # inside a rank: ask CUDA directly
             return out | ({"bf16"} if torch.cuda.is_bf16_supported() else set())
-        from .env import devices
-        caps = [d.get("capability") for d in devices() if d.get("kind") == "cuda"]
-        if not caps or all(c is None or float(c) >= 8.0 for c in caps):
-            out.add("bf16")  # unknown capability: do not block, DeepSpeed will say
     except Exception:
+        pass
+    caps = capabilities or []
+    if all(c is None or float(c) >= 8.0 for c in caps):
         out.add("bf16")
     return out
 
@@ -110,7 +165,7 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
           world_size: int | None = None, optimizer: str = "AdamW", lr: float = 1e-3, warmup_steps: int = 0,
           clip: float | None = None, offload: str | None = None, *, weight_decay: float = 0.0,
           torch_adam: bool = True, zero: Mapping[str, Any] | None = None,
-          accelerator: str | None = None) -> dict:
+          accelerator: str | None = None, capabilities: list[str] | None = None) -> dict:
     """A ds_config dict from a few choices; checked with :func:`validate` before it is returned.
 
     ``stage``: ZeRO stage 0-3. ``dtype``: "fp32", "bf16" or "fp16". ``micro_batch``: samples per rank per
@@ -156,7 +211,7 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if offload in ("param", "both"):
         config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    problems = validate(config, world_size, accelerator=accelerator)
+    problems = validate(config, world_size, accelerator=accelerator, capabilities=capabilities)
     if problems:
         raise ConfigError(problems)
     return config
@@ -291,12 +346,12 @@ def _enabled(section) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
-def _precision_problems(config: Mapping, accelerator: str) -> list[str]:
+def _precision_problems(config: Mapping, accelerator: str, capabilities: list[str] | None) -> list[str]:
     out = []
     fp16, bf16 = _enabled(config.get("fp16")), _enabled(config.get("bf16")) or _enabled(config.get("bfloat16"))
     if fp16 and bf16:
         return ["fp16 and bf16 are both enabled; enable one of them (or neither, for fp32)"]
-    ok = supported_dtypes(accelerator)
+    ok = supported_dtypes(accelerator, capabilities)
     if fp16 and "fp16" not in ok:
         out.append('fp16 is enabled but DeepSpeed runs on the CPU here, which does not train in fp16: set '
                    '"bf16": {"enabled": true} (or no precision section, for fp32) instead of "fp16"')
@@ -310,8 +365,8 @@ def _zero_problems(config: Mapping) -> list[str]:
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, Mapping):
         return [f'zero_optimization must be an object such as {{"stage": 2}}, got {zero!r}']
-    out = [f"unknown key zero_optimization.{k!r} (DeepSpeed rejects it){_suggest(k, ZERO_KEYS)}"
-           for k in zero if k not in ZERO_KEYS]
+    out = [f"unknown key zero_optimization.{k!r} (DeepSpeed rejects it){_suggest(k, zero_keys())}"
+           for k in zero if k not in zero_keys()]
     stage = zero.get("stage", 0)
     if not (_is_count(stage) and 0 <= stage <= 3):
         out.append(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -339,32 +394,37 @@ def _zero_problems(config: Mapping) -> list[str]:
 
 
 def _optimizer_problems(config: Mapping) -> list[str]:
+    import torch  # any torch.optim / torch.optim.lr_scheduler class name works too
+
     out = []
-    for key, known, attr in (("optimizer", DEEPSPEED_OPTIMIZERS, "optim"),
-                             ("scheduler", DEEPSPEED_SCHEDULERS, "optim.lr_scheduler")):
+    optimizers, schedulers = deepspeed_names()
+    for key, known, module in (("optimizer", optimizers, torch.optim),
+                               ("scheduler", schedulers, torch.optim.lr_scheduler)):
         section = config.get(key)
         if section is None:
             continue
+        example = "AdamW" if key == "optimizer" else "WarmupLR"
         if not isinstance(section, Mapping) or "type" not in section:
-            out.append(f'{key} must be an object with a "type", such as {{"type": "{known[0]}", "params": {{}}}}')
+            out.append(f'{key} must be an object with a "type", such as {{"type": "{example}", "params": {{}}}}')
             continue
         name = str(section["type"])
-        import torch  # any torch.optim / torch.optim.lr_scheduler class name works too
-        module = torch.optim if attr == "optim" else torch.optim.lr_scheduler
         # DeepSpeed matches its optimizer names in any case, scheduler names exactly
-        ours = name.lower() in {k.lower() for k in known} if key == "optimizer" else name in known
+        ours = name.lower() in known if key == "optimizer" else name in known
         if not ours and not isinstance(getattr(module, name, None), type):
-            out.append(f"{key}.type {name!r} is neither a DeepSpeed {key} ({', '.join(known)}) nor a "
-                       f"torch.{attr} class{_suggest(name, known)}")
+            torch_names = [n for n in dir(module) if isinstance(getattr(module, n), type) and n[0].isupper()]
+            attr = "optim" if key == "optimizer" else "optim.lr_scheduler"
+            out.append(f"{key}.type {name!r} is neither a DeepSpeed {key} ({', '.join(sorted(known))}) nor a "
+                       f"torch.{attr} class{_suggest(name, [*known, *torch_names])}")
     return out
 
 
-def validate(config: Mapping, world_size: int | None, *, accelerator: str | None = None) -> list[str]:
+def validate(config: Mapping, world_size: int | None, *, accelerator: str | None = None,
+             capabilities: list[str] | None = None) -> list[str]:
     """Every problem with ``config`` for a run on ``world_size`` ranks, as messages that say what to change.
 
     Checks: unknown top-level keys (DeepSpeed ignores them silently) with a "did you mean"; the batch rule
     (skipped when ``world_size`` is None); fp16/bf16 against ``accelerator`` ("cpu" or "cuda", detected when
-    None); ZeRO stage 0-3, unknown zero keys, offload/stage combinations and offload devices; optimizer and
+    None; on "cuda", ``capabilities`` as in :func:`supported_dtypes`); ZeRO stage 0-3, unknown zero keys, offload/stage combinations and offload devices; optimizer and
     scheduler names; a negative gradient_clipping. An empty list means none found.
 
     Example::
@@ -375,14 +435,14 @@ def validate(config: Mapping, world_size: int | None, *, accelerator: str | None
     """
     if not isinstance(config, Mapping):
         return [f"a ds_config is a JSON object (dict), got {type(config).__name__}"]
-    out = [f"unknown top-level key {k!r} (DeepSpeed would silently ignore it){_suggest(k, KNOWN_KEYS)}"
-           for k in config if k not in KNOWN_KEYS]
+    out = [f"unknown top-level key {k!r} (DeepSpeed would silently ignore it){_suggest(k, known_keys())}"
+           for k in config if k not in known_keys()]
     if world_size is not None:
         if not (_is_count(world_size) and world_size >= 1):
             out.append(f"world_size must be a whole number >= 1, got {world_size!r}")
         else:
             out += _batch_problems(config, world_size)
-    out += _precision_problems(config, accelerator or default_accelerator())
+    out += _precision_problems(config, accelerator or default_accelerator(), capabilities)
     out += _zero_problems(config)
     out += _optimizer_problems(config)
     clip = config.get("gradient_clipping")
@@ -392,7 +452,8 @@ def validate(config: Mapping, world_size: int | None, *, accelerator: str | None
     return out
 
 
-def check(config: Mapping | str | os.PathLike, world_size: int, *, accelerator: str | None = None) -> None:
+def check(config: Mapping | str | os.PathLike, world_size: int, *, accelerator: str | None = None,
+          capabilities: list[str] | None = None) -> None:
     """Raise :class:`ConfigError` listing every problem :func:`validate` finds; return None when there are none.
 
     ``config`` may be a dict or a path to a JSON file. Called before launch (helpers.launch.deepspeed) and by
@@ -403,6 +464,6 @@ def check(config: Mapping | str | os.PathLike, world_size: int, *, accelerator: 
         check({"train_micro_batch_size_per_gpu": 32, "fp16": {"enabled": True}}, 2, accelerator="cpu")
         # ConfigError: ... fp16 is enabled but DeepSpeed runs on the CPU here ... set "bf16": {"enabled": true} ...
     """
-    problems = validate(load(config), world_size, accelerator=accelerator)
+    problems = validate(load(config), world_size, accelerator=accelerator, capabilities=capabilities)
     if problems:
         raise ConfigError(problems)

@@ -1,5 +1,7 @@
-"""What a rank process leaves behind.
+"""The life of a rank process: who it is, who speaks, and what it leaves behind.
 
+* :func:`launched_ranks` -- RANK, LOCAL_RANK and WORLD_SIZE from the launcher, or a clear "launch me with ..." exit.
+* :func:`log0` -- print on rank 0 only: one voice in the terminal, not WORLD_SIZE of them.
 * :func:`end_rank` -- the last line of every script in ``course/``: exit after a successful run.
 * :func:`forget_deepspeed_shm_buffer` -- right after ``deepspeed.init_distributed()``: leave no RAM in /dev/shm.
 
@@ -24,7 +26,7 @@ TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate``, whi
 
 So after a successful run the scripts call :func:`end_rank`, which flushes what the rank printed and leaves with
 ``os._exit``: no finalization, so no thread can be cut off in it. Everything a rank reports is already on disk
-(:class:`helpers.metrics.Reporter` writes each record with an unbuffered ``os.write``; checkpoints are fsynced).
+(:class:`helpers.rank.metrics.Reporter` writes each record with an unbuffered ``os.write``; checkpoints are fsynced).
 A rank that fails raises as usual, so torchrun's error file and traceback are unchanged.
 """
 from __future__ import annotations
@@ -33,6 +35,27 @@ import logging
 import os
 import sys
 from typing import NoReturn
+
+
+def launched_ranks(how: str) -> tuple[int, int, int]:
+    """(RANK, LOCAL_RANK, WORLD_SIZE), which torchrun and the deepspeed launcher give every process they start.
+
+    Run with plain ``python``, a script has none of them: it exits with ``how`` (the command to use) instead of
+    failing later inside ``init_process_group`` with a message about MASTER_ADDR.
+
+    Example::
+
+        rank, local_rank, world_size = launched_ranks("torchrun --nproc-per-node 2 course/ddp_cifar10.py")
+    """
+    if "RANK" not in os.environ:
+        sys.exit(f"Launch me with a distributed launcher, e.g.: {how}")
+    return tuple(int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def log0(*args, **kwargs) -> None:
+    """``print`` on global rank 0 only, flushed at once (a launcher's pipe would otherwise hold it back)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(*args, **kwargs, flush=True)
 
 
 def end_rank(code: int | None = 0) -> NoReturn:

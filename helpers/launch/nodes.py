@@ -4,7 +4,7 @@ On a cluster you start one ``torchrun`` per node; they meet at a c10d rendezvous
 every worker's RANK. This module does the same on one machine: agent ``i`` is "node i", all meet at
 127.0.0.1, and their output is merged into one stream (each line already carries its global rank prefix).
 
-    python -m helpers.nodes --nnodes 2 --port 29400 --log-dir runs/x/elastic -- \\
+    python -m helpers.launch.nodes --nnodes 2 --port 29400 --log-dir runs/x/elastic -- \\
         --nproc-per-node 1 course/ddp_cifar10.py --epochs 1
 """
 from __future__ import annotations

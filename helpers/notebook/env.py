@@ -3,10 +3,10 @@
 The notebook kernel must never initialise CUDA (see DESIGN.md: every rank is a subprocess), so
 this module only *counts* GPUs in-process (``torch.cuda.device_count()`` asks NVML and leaves
 CUDA uninitialised). Everything that needs a CUDA context -- device names, memory, cuDNN and
-NCCL versions -- comes from a short subprocess, ``python -m helpers.env --probe``, that prints
+NCCL versions -- comes from a short subprocess, ``python -m helpers.notebook.env --probe``, that prints
 JSON. ``ds_report`` and the ``torch.compile`` smoke test run in subprocesses too.
 
-Example (``python -m helpers.env`` prints the report as JSON)::
+Example (``python -m helpers.notebook.env`` prints the report as JSON)::
 
     run = launch.torchrun("course/allreduce_check.py")
     print(env.verdict_table(env.verdict(env.report(allreduce=run.result))))
@@ -25,43 +25,16 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from ..calc.comm import bus_bandwidth  # noqa: F401  (notebook 00 calls env.bus_bandwidth)
+from ..rank.devices import cpu_count, default_backend, default_nproc, gpu_count  # noqa: F401
+
 PROFILES = ("auto", "smoke", "full")
 PROFILE_ENV = "COURSE_PROFILE"
-_ROOT = Path(__file__).resolve().parent.parent   # the directory that holds the helpers package
+_ROOT = Path(__file__).resolve().parents[2]   # the directory that holds the helpers package
 _GIB = 1024 ** 3
 
 
-# --- counting, without touching CUDA ---------------------------------------------------------
-def gpu_count() -> int:
-    """CUDA devices this process may use (honours CUDA_VISIBLE_DEVICES); 0 without a CUDA build."""
-    import torch
-    return torch.cuda.device_count()
-
-
-def default_backend() -> str:
-    """``"nccl"`` when GPUs are visible and the build has NCCL, else ``"gloo"``."""
-    import torch.distributed as dist
-    return "nccl" if gpu_count() > 0 and dist.is_nccl_available() else "gloo"
-
-
-def default_nproc() -> int:
-    """One rank per GPU; 2 ranks on CPU (the smallest world where communication happens)."""
-    return gpu_count() or 2
-
-
-def cpu_count() -> int:
-    """CPU cores this process may run on: the affinity mask, capped by a cgroup v2 quota if set."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    try:  # docker --cpus=N sets a quota but leaves the affinity mask at every core
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
+# --- counting, without touching CUDA: helpers.rank.devices, shared with the ranks ---------------
 
 
 def profile(requested: str = "auto") -> str:
@@ -89,7 +62,7 @@ def profile(requested: str = "auto") -> str:
 
 # --- the CUDA probe (runs in a subprocess) ----------------------------------------------------
 def _probe_here() -> dict:
-    """Runs inside ``python -m helpers.env --probe``: free to initialise CUDA, then exits."""
+    """Runs inside ``python -m helpers.notebook.env --probe``: free to initialise CUDA, then exits."""
     import torch
     out: dict = {"device_count": torch.cuda.device_count(), "devices": [], "cudnn": None, "nccl": None, "error": None}
     if out["device_count"] == 0:
@@ -115,7 +88,7 @@ def _probe() -> dict:
         return {"device_count": 0, "devices": [], "cudnn": None, "nccl": None, "error": None}
     pythonpath = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
     try:
-        proc = subprocess.run([sys.executable, "-m", "helpers.env", "--probe"], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "helpers.notebook.env", "--probe"], capture_output=True, text=True,
                               timeout=120, env={**os.environ, "PYTHONPATH": pythonpath})
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
@@ -177,6 +150,11 @@ def devices() -> list[dict]:
     import psutil
     return [{"kind": "cpu", "index": 0, "name": _cpu_model(), "cores": cpu_count(),
              "memory_total_gib": round(psutil.virtual_memory().total / _GIB, 2)}]
+
+
+def cuda_capabilities() -> list[str | None]:
+    """Compute capability ("8.0", ...) of each visible GPU, from the subprocess probe; [] without GPUs."""
+    return [d.get("capability") for d in devices() if d.get("kind") == "cuda"]
 
 
 def backends() -> dict:
@@ -263,22 +241,6 @@ def torch_compile_smoke(timeout: float = 180) -> dict:
         return {"ok": False, "compile_s": None, "error": f"torch.compile took longer than {timeout:.0f} s"}
     except (json.JSONDecodeError, IndexError):
         return {"ok": False, "compile_s": None, "error": (proc.stderr or "no output")[-800:]}
-
-
-def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s (1e9 bytes/s) of one all-reduce of ``size_bytes`` taking ``seconds``.
-
-    Definitions from nccl-tests, doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests):
-    ``algbw = size / time``; for all-reduce ``busbw = algbw * 2*(n-1)/n``, because a ring all-reduce moves
-    each byte 2*(n-1)/n times over the slowest link -- busbw is comparable with the hardware's link speed.
-
-    >>> bus_bandwidth(1e9, 1.0, 8)
-    (1.0, 1.75)
-    """
-    if seconds <= 0 or world_size < 1:
-        raise ValueError("seconds must be > 0 and world_size >= 1")
-    algbw = size_bytes / seconds / 1e9
-    return algbw, algbw * 2 * (world_size - 1) / world_size
 
 
 def report(*, allreduce: dict | list | None = None, deepspeed: bool = True, torch_compile: bool = True) -> dict:

@@ -42,7 +42,7 @@ def headline_outputs(nb_path: Path) -> list[tuple[str, str]]:
 
 
 def render(rows: list[dict], profile: str, environment: dict) -> str:
-    """The report as an HTML string. ``rows`` come from :func:`helpers.course.run_chapters`."""
+    """The report as an HTML string. ``rows`` come from :func:`helpers.notebook.runner.run_chapters`."""
     esc = html.escape
     total = sum(r["seconds"] for r in rows)
     table = "\n".join(

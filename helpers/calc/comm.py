@@ -1,0 +1,49 @@
+"""Communication arithmetic: bus bandwidth of an all-reduce, and the bytes one rank sends per collective.
+
+Pure calculations: no process group, no subprocess. The ranks measure; these turn the measurements into numbers
+that compare with the hardware's link speed (:func:`bus_bandwidth`) or with the ZeRO paper's communication model
+(:func:`bytes_sent_per_rank`: 2P per step for DDP's all-reduce, 3P for ZeRO-3).
+
+Example::
+
+    bus_bandwidth(1e9, 1.0, 8)                  # (1.0, 1.75): GB/s
+    bytes_sent_per_rank("all_reduce", 4e6, 2)   # 4000000.0
+"""
+from __future__ import annotations
+
+
+def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes/s) of one all-reduce of ``size_bytes`` taking ``seconds``.
+
+    Definitions from nccl-tests, doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests):
+    ``algbw = size / time``; for all-reduce ``busbw = algbw * 2*(n-1)/n``, because a ring all-reduce moves
+    each byte 2*(n-1)/n times over the slowest link -- busbw is comparable with the hardware's link speed.
+
+    >>> bus_bandwidth(1e9, 1.0, 8)
+    (1.0, 1.75)
+    """
+    if seconds <= 0 or world_size < 1:
+        raise ValueError("seconds must be > 0 and world_size >= 1")
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * 2 * (world_size - 1) / world_size
+
+def bytes_sent_per_rank(op: str, message_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends for one collective under the usual ring algorithms (the ZeRO paper's Sec. 7 model).
+
+    ``message_bytes`` is what the counters record: the tensor handed to the collective. For ``all_reduce`` that is
+    the whole buffer S (a ring sends 2 S (N-1)/N: a reduce-scatter then an all-gather); for ``reduce_scatter_tensor``
+    the whole input S (S (N-1)/N); for ``all_gather_into_tensor`` this rank's shard s (s (N-1): every other rank
+    needs it). Other operations (broadcast, barrier) are counted as their message size.
+
+    Example::
+
+        bytes_sent_per_rank("all_reduce", 4e6, 2)   # 4000000.0
+    """
+    n = world_size
+    if op == "all_reduce":
+        return 2 * message_bytes * (n - 1) / n
+    if op in ("reduce_scatter_tensor", "reduce_scatter"):
+        return message_bytes * (n - 1) / n
+    if op in ("all_gather_into_tensor", "all_gather"):
+        return message_bytes * (n - 1)
+    return float(message_bytes)

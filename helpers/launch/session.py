@@ -1,0 +1,309 @@
+"""One running launcher and its process tree: spawned in a session of its own, its output split into per-rank logs
+and streamed, its metrics followed for the progress bar, its limits (timeout, stall) enforced, and every process it
+started killed when it ends badly."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Iterable
+
+import psutil
+
+from ..rank import metrics as _metrics
+from .spec import PROJECT_ROOT
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        parent = psutil.Process(pid)
+        return [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(procs: Iterable[psutil.Process], grace: float = 3.0) -> None:
+    """SIGTERM every process, SIGKILL what is still alive after ``grace`` seconds."""
+    procs = [p for p in procs]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+class _FileTail:
+    """Follows a file another process appends to: each call returns what grew since the last one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> tuple[bool, list[bytes]]:
+        """(whether the file grew, the complete new lines); a line still being written waits for its end."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return False, []
+        if not chunk:
+            return False, []
+        self.offset += len(chunk)
+        *complete, self.partial = (self.partial + chunk).split(b"\n")
+        return True, complete
+
+
+class _Session:
+    """One running launcher: reads its output, tails logs and metrics, enforces limits."""
+
+    def __init__(self, cmd, env, run_dir: Path, nproc: int, show: str, rank_log_dir: Path | None):
+        self.run_dir = run_dir
+        self.nproc = nproc
+        self.show = show
+        self.rank_log_dir = rank_log_dir  # deepspeed: ranks write their own files here
+        # line-buffered, so `tail -f runs/.../rank1.log` follows a live run
+        self.rank_files = {r: open(run_dir / f"rank{r}.log", "a", buffering=1) for r in range(nproc)}
+        self.launcher_log = open(run_dir / "launcher.log", "a", buffering=1)
+        self.tails: dict[int, list[str]] = {r: [] for r in range(nproc)}
+        self.first_traceback: dict[int, float] = {}
+        self.launcher_tail: list[str] = []
+        self.lines: queue.Queue = queue.Queue()
+        self.metrics_tail = _FileTail(run_dir / _metrics.METRICS_FILE)
+        self.progress = None
+        self.total_steps = None
+        self.known: dict[int, psutil.Process] = {}
+        self.stacks: dict[int, str] = {}
+        self.start = time.monotonic()
+        self.last_activity = self.start
+        # the stall clock starts at the ranks' first sign of life: interpreter start-up and `import torch`
+        # (seconds, more on a busy machine) are not a stall; `timeout` bounds them
+        self.alive = False
+        self.status = "running"
+        self.proc = subprocess.Popen(cmd, env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self._read_pipe, daemon=True)
+        self.reader.start()
+        self.rank_file_tails: dict[Path, _FileTail] = {}
+
+    # -- input
+    def _read_pipe(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            self.lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+        self.lines.put(None)
+
+    def _rank_line(self, rank: int, text: str) -> None:
+        own = f"[rank{rank}]:"  # torch prefixes uncaught errors itself; one prefix is enough
+        if text.startswith(own):
+            text = text[len(own):].removeprefix(" ")
+        if rank not in self.rank_files:  # an elastic restart can bring new ranks
+            self.rank_files[rank] = open(self.run_dir / f"rank{rank}.log", "a", buffering=1)
+            self.tails[rank] = []
+        self.rank_files[rank].write(text + "\n")
+        self.alive = True
+        tail = self.tails[rank]
+        tail.append(text)
+        del tail[:-40]
+        if "Traceback (most recent call last)" in text:
+            self.first_traceback.setdefault(rank, time.monotonic())
+        if self.show == "all" or (self.show == "rank0" and rank == 0):
+            self._print(f"[rank{rank}] {text}")
+
+    def _launcher_line(self, text: str) -> None:
+        self.launcher_log.write(text + "\n")
+        self.launcher_tail.append(text)
+        del self.launcher_tail[:-80]
+        if self.show == "all":
+            self._print(f"[launcher] {text}")
+
+    def _print(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def _drain_pipe(self, wait: float) -> bool:
+        """Handle queued launcher lines; False once the pipe is closed."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return True
+            if line is None:
+                return False
+            self.last_activity = time.monotonic()
+            m = RANK_PREFIX.match(line)
+            if m:
+                self._rank_line(int(m.group(1)), m.group(2))
+            else:
+                self._launcher_line(line)
+
+    def _tail_rank_files(self) -> None:
+        """deepspeed's launcher writes ``<stamp>_rank<k>.log`` files; follow them."""
+        if self.rank_log_dir is None or not self.rank_log_dir.exists():
+            return
+        for path in self.rank_log_dir.glob("*_rank*.log"):
+            m = re.search(r"_rank(\d+)\.log$", path.name)
+            if not m:
+                continue
+            grew, lines = self.rank_file_tails.setdefault(path, _FileTail(path)).read()
+            if grew:
+                self.last_activity = time.monotonic()
+            for line in lines:
+                self._rank_line(int(m.group(1)), line.decode("utf-8", "replace"))
+
+    def _read_metrics(self) -> None:
+        grew, lines = self.metrics_tail.read()
+        if not grew:
+            return
+        self.last_activity = time.monotonic()
+        self.alive = True
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self._on_metric(rec)
+
+    def _on_metric(self, rec: dict) -> None:
+        if rec.get("rank") != 0 or self.show == "none":
+            return
+        if rec.get("kind") == "total":
+            self.total_steps = rec.get("steps")
+            self._open_progress()
+        elif rec.get("kind") == "step" and self.progress is not None:
+            done = min(rec.get("step", 0) + 1, self.total_steps or 0)
+            if done > self.progress.n:
+                self.progress.update(done - self.progress.n)
+            if "loss" in rec:
+                self.progress.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
+
+    def _open_progress(self) -> None:
+        if self.progress is not None or not self.total_steps:
+            return
+        try:
+            from tqdm.auto import tqdm
+            self.progress = tqdm(total=self.total_steps, desc="rank 0 steps", unit="step",
+                                 leave=True, mininterval=0.5)
+        except Exception:  # pragma: no cover - progress is a nicety
+            self.progress = None
+
+    def _remember_processes(self) -> None:
+        for p in _descendants(self.proc.pid):
+            self.known.setdefault(p.pid, p)
+
+    # -- control
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def dump_stacks(self, script: Path, wait: float = 2.0) -> dict[int, str]:
+        """Make every rank print its Python stack (faulthandler, on SIGABRT) and collect it from its log.
+
+        Only rank processes get the signal, never the launcher, so the dumps still flow through its tee."""
+        self._remember_processes()
+        ranks = []
+        for p in self.known.values():
+            try:
+                cmd = p.cmdline()
+                launcher = any("torch.distributed.run" in c or "deepspeed.launcher" in c for c in cmd)
+                if str(script) in cmd and not launcher and p.pid != self.proc.pid:
+                    ranks.append(p)
+            except psutil.Error:
+                continue
+        for p in ranks:
+            try:
+                p.send_signal(signal.SIGABRT)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            self._drain_pipe(0.1)
+            self._tail_rank_files()
+        stacks = {}
+        for rank, tail in self.tails.items():
+            text = "\n".join(tail)
+            start = max(text.rfind("Fatal Python error: Aborted"), text.rfind("Current thread"))
+            if start >= 0:
+                stacks[rank] = text[start:]
+        return stacks
+
+    def follow(self, script: Path, timeout, stall_timeout) -> None:
+        """Follow the run until the launcher exits, ``timeout`` passes or the ranks stall; ``status`` then says which
+        ("ok", "failed", "timeout", "stalled"). Unless the run succeeded, every process of it is killed, also when
+        a KeyboardInterrupt ("interrupted") or any other exception ("error") stops the wait, which then propagates."""
+        try:
+            open_ = True
+            tick = 0
+            while True:
+                open_ = self._drain_pipe(0.05) if open_ else (time.sleep(0.05) or False)
+                self._tail_rank_files()
+                self._read_metrics()
+                if tick % 10 == 0:
+                    self._remember_processes()
+                tick += 1
+                if self.proc.poll() is not None and not open_:
+                    break
+                if timeout is not None and self.elapsed() > timeout:
+                    self.status = "timeout"
+                    break
+                if stall_timeout is not None and self.alive and time.monotonic() - self.last_activity > stall_timeout:
+                    self.status = "stalled"
+                    break
+            if self.status == "stalled":
+                self.stacks = self.dump_stacks(script)
+            if self.status != "running":
+                self.kill()
+            else:
+                self._tail_rank_files()
+                self._read_metrics()
+                self.status = "ok" if self.proc.returncode == 0 else "failed"
+                if self.status == "failed":
+                    self.kill()  # a launcher that died oddly may leave ranks behind
+        except KeyboardInterrupt:
+            self.status = "interrupted"
+            self.kill()
+            raise
+        except BaseException:
+            self.status = "error"
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Kill the launcher first (so it cannot restart the ranks it sees dying), then every rank we know of.
+
+        Ranks run in sessions of their own, so they are found by the process tree remembered during the run,
+        not by process group. Our own child is reaped by ``Popen.wait``, never by psutil: psutil reaping it
+        first would leave ``Popen`` a return code of 0 for a run it killed."""
+        self._remember_processes()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        kill_tree([p for pid, p in self.known.items() if pid != self.proc.pid])
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        for f in self.rank_files.values():
+            f.close()
+        self.launcher_log.close()

@@ -1,0 +1,221 @@
+"""What to launch, checked once before anything starts: :class:`LaunchSpec` and the :class:`LaunchError` it raises.
+
+A refused launch leaves nothing behind: no run directory, no process, no waiting. Every check happens in
+:meth:`LaunchSpec.check`; the rest of the launcher reads the spec and never checks again.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_SHOW_CHOICES = ("rank0", "all", "none")
+
+
+class LaunchError(Exception):
+    """A launched run failed, timed out, stalled or could not start.
+
+    Attributes: ``rank`` (the failing rank, or None when the whole run was stopped),
+    ``exitcode`` (that rank's exit code, or None), ``run_dir`` (where its logs are),
+    ``reason`` ("failed", "timeout", "stalled", "invalid").
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, exitcode: int | None = None,
+                 run_dir: Path | None = None, reason: str = "failed"):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.run_dir = run_dir
+        self.reason = reason
+
+
+def _machine():
+    """The ``helpers.launch`` package, through which the launcher asks about the machine (``gpu_count``,
+    ``cpu_count``, ``default_nproc``, ``default_backend``, ``_ephemeral_port_range``).
+
+    Looked up at call time, so replacing one of them on ``helpers.launch`` -- as the tests do to play a machine
+    with other GPUs, cores or ports -- reaches every module of the launcher."""
+    return sys.modules[__package__]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launch, every argument checked: build it with :meth:`check`, which refuses bad input."""
+
+    kind: str                      # "torchrun" or "deepspeed"
+    script: Path                   # resolved, an existing file
+    nproc: int                     # ranks per node
+    nnodes: int
+    args: tuple[str, ...]
+    env: Mapping[str, str]         # the caller's extra variables for the ranks
+    gpus: int                      # GPUs the ranks will see
+    timeout: float | None
+    stall_timeout: float | None
+    show: str
+    name: str                      # the run directory's parent under runs_root()
+    max_restarts: int = 0
+    config: Path | Mapping | None = None  # deepspeed: an existing JSON file or a dict
+
+    @classmethod
+    def check(cls, kind: str, script, nproc=None, args=(), *, env=None, timeout=None, stall_timeout=None,
+              name=None, show="rank0", max_restarts=0, nnodes=1, config=None) -> LaunchSpec:
+        """The launch these arguments ask for, or a :class:`LaunchError` with ``reason="invalid"``.
+
+        The cheap checks of the arguments' types come first; a DeepSpeed config is checked against the world
+        size and device last, since that may ask a subprocess about the GPUs."""
+        config = _check_config(config)
+        _check_whole("max_restarts", max_restarts, 0)
+        arg_list = _check_args(args)
+        if kind == "torchrun":
+            _check_script_flags(arg_list)
+        _check_whole("nnodes", nnodes, 1)
+        extra_env = _check_env(env)
+        gpus = _visible_gpus(extra_env)
+        if nnodes > 1 and gpus:
+            raise LaunchError("nnodes>1 rehearses several nodes on ONE machine, where the 'nodes' would share GPUs; "
+                              "pass env={'CUDA_VISIBLE_DEVICES': ''} for CPU ranks, or run one torchrun per real "
+                              "node (course/slurm_torchrun.sbatch)", reason="invalid")
+        script_path = _resolve_script(script)
+        nproc = _check_nproc(nproc, gpus)
+        cpus = _machine().cpu_count()
+        if nnodes > 1 and nproc * nnodes > 8 * cpus:
+            raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpus} cores would thrash", reason="invalid")
+        if config is not None:
+            _check_config_fits(config, nproc * nnodes, gpus)
+        _check_timeouts(timeout, stall_timeout)
+        if show not in _SHOW_CHOICES:
+            raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
+        return cls(kind=kind, script=script_path, nproc=nproc, nnodes=nnodes, args=tuple(arg_list),
+                   env=MappingProxyType(extra_env), gpus=gpus, timeout=timeout, stall_timeout=stall_timeout,
+                   show=show, name=name or script_path.stem, max_restarts=max_restarts, config=config)
+
+
+def _check_whole(label: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LaunchError(f"{label} must be a whole number >= {minimum}, got {value!r}", reason="invalid")
+
+
+def _resolve_script(script) -> Path:
+    if not isinstance(script, (str, os.PathLike)):
+        raise LaunchError(f"script must be a path, got {type(script).__name__}", reason="invalid")
+    path = Path(script)
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, PROJECT_ROOT / path]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    tried = ", ".join(str(c) for c in candidates)
+    raise LaunchError(f"script not found: {script} (looked at {tried}). Paths are relative to the "
+                      f"current directory or the course root {PROJECT_ROOT}.", reason="invalid")
+
+
+def _visible_gpus(extra_env: Mapping[str, str]) -> int:
+    """GPUs the ranks will see: none when the caller hides them with ``env={"CUDA_VISIBLE_DEVICES": ""}``."""
+    return 0 if extra_env.get("CUDA_VISIBLE_DEVICES", None) == "" else _machine().gpu_count()
+
+
+def _check_nproc(nproc, gpus: int) -> int:
+    machine = _machine()
+    if nproc is None:  # GPUs hidden: CPU ranks, as on a CPU machine
+        return machine.default_nproc() if gpus == machine.gpu_count() else 2
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise LaunchError(f"nproc must be a whole number of processes, got {nproc!r} "
+                          f"({type(nproc).__name__})", reason="invalid")
+    if nproc < 1:
+        raise LaunchError(f"nproc must be at least 1, got {nproc}", reason="invalid")
+    if gpus and nproc > gpus:
+        raise LaunchError(f"nproc={nproc} but this machine has {gpus} GPU(s): one rank per GPU. "
+                          f"Use nproc<={gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES='') to run "
+                          f"{nproc} CPU ranks with gloo.", reason="invalid")
+    cpus = machine.cpu_count()
+    if not gpus and nproc > 8 * cpus:
+        raise LaunchError(f"nproc={nproc} CPU ranks on {cpus} cores would thrash; "
+                          f"use at most {8 * cpus}.", reason="invalid")
+    return nproc
+
+
+def _check_args(args) -> list[str]:
+    if isinstance(args, (str, bytes)):
+        raise LaunchError(f"args must be a list such as ['--epochs', '1'], not one string {args!r} "
+                          f"(use shlex.split if you have a command line)", reason="invalid")
+    if isinstance(args, Mapping):
+        raise LaunchError("args must be a list of strings; turn a dict into ['--key', 'value', ...]",
+                          reason="invalid")
+    try:
+        items = list(args)
+    except TypeError:
+        raise LaunchError(f"args must be a list of strings, got {type(args).__name__}", reason="invalid") from None
+    out = []
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, (str, int, float, os.PathLike)):
+            raise LaunchError(f"each argument must be a string, number or path; got {a!r} "
+                              f"({type(a).__name__})", reason="invalid")
+        out.append(os.fspath(a) if isinstance(a, os.PathLike) else str(a))
+    return out
+
+
+def _check_script_flags(arg_list: list[str]) -> None:
+    """torchrun's parser accepts abbreviations of its own options even after the script name, so a script flag
+    such as ``--n`` or ``--nproc`` is taken as an ambiguous torchrun option and the launch dies. Refuse it here."""
+    from torch.distributed.run import get_args_parser
+
+    options = {o for action in get_args_parser()._actions for o in action.option_strings if o.startswith("--")}
+    for a in arg_list:
+        flag = a.split("=", 1)[0]
+        if flag.startswith("--") and flag not in options and any(o.startswith(flag) for o in options):
+            clash = sorted(o for o in options if o.startswith(flag))[:3]
+            raise LaunchError(f"script flag {flag} is the start of torchrun's own option(s) {', '.join(clash)}; "
+                              f"torchrun would take it as an abbreviation and fail. Rename the flag in the script "
+                              f"(e.g. --num-samples instead of --n).", reason="invalid")
+
+
+def _check_env(env) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise LaunchError(f"env must be a dict of strings, got {type(env).__name__}", reason="invalid")
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _check_timeouts(timeout, stall_timeout) -> None:
+    for label, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise LaunchError(f"{label} must be a positive number of seconds or None, got {value!r}",
+                              reason="invalid")
+
+
+def _check_config(config) -> Path | dict | None:
+    """A DeepSpeed config as the launcher keeps it: a copy of a dict, or the path of an existing file."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise LaunchError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}",
+                          reason="invalid")
+    path = Path(config)
+    if not path.is_absolute() and not path.exists():
+        path = PROJECT_ROOT / path
+    if not path.is_file():
+        raise LaunchError(f"DeepSpeed config not found: {config}", reason="invalid")
+    return path
+
+
+def _check_config_fits(config: Path | dict, world_size: int, gpus: int) -> None:
+    """The config against this world size and device, with messages that say what to change, before
+    DeepSpeed's own assertions could be the first thing a learner sees."""
+    from ..calc import dsconfig
+    on_gpus = _machine().default_backend() == "nccl" and gpus
+    capabilities = None
+    if on_gpus:  # bf16 needs compute capability 8.0+; asked of a subprocess, the kernel never touches CUDA
+        from ..notebook.env import cuda_capabilities
+        capabilities = cuda_capabilities()
+    try:
+        dsconfig.check(config, world_size, accelerator="cuda" if on_gpus else "cpu", capabilities=capabilities)
+    except dsconfig.ConfigError as err:
+        raise LaunchError(str(err), reason="invalid") from None
