@@ -27,6 +27,7 @@ course: setup          ## execute every notebook into build/notebooks and print 
 test: unit nbtest      ## unit + fault-injection tests, then nbval on the committed notebooks
 
 unit: setup
+	$(VENV)/bin/lint-imports --no-cache   # the rank / kernel / calc line (pyproject.toml)
 	$(PY) -m pytest tests -q
 
 nbtest: setup
