@@ -1,6 +1,5 @@
 """The committed notebooks are in a state nbval can validate and an instructor can trust."""
-import json
-
+import nbformat
 import pytest
 
 from helpers.notebook.runner import NOTEBOOKS, syllabus
@@ -22,12 +21,14 @@ def _compared(cell) -> bool:
 
 
 def _load(chapter):
-    return json.loads(chapter.path.read_text())
+    return nbformat.read(chapter.path, as_version=4)
 
 
 def test_syllabus_lists_exactly_the_notebooks_on_disk():
     on_disk = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
     assert sorted(c.file for c in CHAPTERS) == on_disk
+    assert sorted(p.name for p in NOTEBOOKS.iterdir() if not p.name.startswith(".")) == on_disk, \
+        "notebooks/ holds the notebooks and nothing else (a learner's file browser shows every file)"
     assert [c.id for c in CHAPTERS] == sorted(c.id for c in CHAPTERS), "syllabus order is notebook order"
 
 
@@ -57,3 +58,6 @@ def test_notebook_has_parameters_cell_and_course_kernel(chapter):
     assert not any("injected-parameters" in t for t in tags), "regen must strip papermill's injected cell"
     assert nb["metadata"]["kernelspec"]["name"] == "dtfz"
     assert "papermill" not in nb["metadata"], "volatile papermill metadata must be stripped"
+    recorded = nb["metadata"]["course"]["environment"]
+    assert recorded["notebook"] == chapter.file and recorded["status"] == "ok", "outputs come from a clean regen"
+    assert {"torch", "deepspeed", "papermill"} <= set(recorded["packages"])

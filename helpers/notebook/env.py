@@ -1,6 +1,6 @@
 """What this machine can do for distributed training, and a verdict a learner can act on.
 
-The notebook kernel must never initialise CUDA (see DESIGN.md: every rank is a subprocess), so
+The notebook kernel must never initialise CUDA (every rank is a subprocess: see the README), so
 this module only *counts* GPUs in-process (``torch.cuda.device_count()`` asks NVML and leaves
 CUDA uninitialised). Everything that needs a CUDA context -- device names, memory, cuDNN and
 NCCL versions -- comes from a short subprocess, ``python -m helpers.notebook.env --probe``, that prints

@@ -11,9 +11,10 @@ Example::
 from __future__ import annotations
 
 import html
-import json
 import time
 from pathlib import Path
+
+import nbformat
 
 STATUS_COLOURS = {"ok": "#1a7f37", "SLOW": "#9a6700", "FAILED": "#cf222e"}
 
@@ -22,9 +23,9 @@ def headline_outputs(nb_path: Path) -> list[tuple[str, str]]:
     """(kind, payload) pairs of the headline cells' outputs: ("text", str) or ("png", base64)."""
     if not nb_path.exists():
         return []
-    nb = json.loads(nb_path.read_text())
+    nb = nbformat.read(nb_path, as_version=4)
     found = []
-    for cell in nb.get("cells", []):
+    for cell in nb.cells:
         if cell.get("cell_type") != "code" or "headline" not in cell.get("metadata", {}).get("tags", []):
             continue
         for out in cell.get("outputs", []):

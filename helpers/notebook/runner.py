@@ -6,7 +6,7 @@ notebook directory as working directory, so a machine-wide ``python3`` kernel is
 
 Example::
 
-    python -m helpers course                # all notebooks -> build/notebooks/, summary table
+    python -m helpers course                # all notebooks -> build/notebooks/, summary table, build/report.html
     python -m helpers run 00 -p PROFILE full   # one notebook with an overridden parameter
     python -m helpers regen                 # in place, volatile metadata stripped (instructors)
 """
@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import nbformat
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,6 @@ class Chapter:
     file: str
     title: str
     timeout_s: int
-    min_devices: int
     parameters: dict
 
     @property
@@ -44,8 +44,10 @@ class Chapter:
 def syllabus(path: Path = SYLLABUS) -> tuple[dict, list[Chapter]]:
     """(settings, chapters) from the syllabus file."""
     data = yaml.safe_load(path.read_text())
+    defaults = data.get("parameters", {})  # per profile, for every notebook; a chapter's own entries win
     chapters = [Chapter(id=str(c["id"]), file=c["file"], title=c["title"], timeout_s=int(c["timeout_s"]),
-                        min_devices=int(c.get("min_devices", 1)), parameters=c.get("parameters", {}))
+                        parameters={profile: {**defaults.get(profile, {}), **c.get("parameters", {}).get(profile, {})}
+                                    for profile in {*defaults, *c.get("parameters", {})}})
                 for c in data["notebooks"]]
     settings = {k: v for k, v in data.items() if k != "notebooks"}
     return settings, chapters
@@ -62,22 +64,29 @@ def select(chapters: list[Chapter], wanted: list[str] | None) -> list[Chapter]:
     return picked
 
 
-def strip_volatile(nb_path: Path) -> None:
+def finish_in_place(nb_path: Path, record: dict) -> None:
     """Remove what changes on every run without meaning anything (papermill timings, execution stamps) and the
-    cell papermill injected with this run's parameters."""
-    nb = json.loads(nb_path.read_text())
-    nb.get("metadata", {}).pop("papermill", None)
+    cell papermill injected with this run's parameters; keep the environment that produced the outputs in the
+    notebook's own metadata (``metadata.course.environment``), where a reader finds it and a file browser does not
+    show it as a second file."""
+    nb = nbformat.read(nb_path, as_version=4)
+    nb.metadata.pop("papermill", None)
+    nb.metadata.setdefault("course", {})["environment"] = record
     # the committed notebook keeps its own defaults ("auto" resolves on the reader's machine), not the
     # values this machine's profile injected
-    nb["cells"] = [c for c in nb.get("cells", []) if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
-    for cell in nb.get("cells", []):
-        md = cell.get("metadata", {})
-        md.pop("papermill", None)
-        md.pop("execution", None)
-        tags = md.get("tags")
-        if tags == []:
-            md.pop("tags")
-    nb_path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+    for cell in nb.cells:
+        cell.metadata.pop("papermill", None)
+        cell.metadata.pop("execution", None)
+        if cell.metadata.get("tags") == []:
+            cell.metadata.pop("tags")
+    nbformat.write(nb, nb_path)
+
+
+def _record_environment(nb_path: Path, record: dict) -> None:
+    nb = nbformat.read(nb_path, as_version=4)
+    nb.metadata.setdefault("course", {})["environment"] = record
+    nbformat.write(nb, nb_path)
 
 
 def environment_record(profile: str) -> dict:
@@ -133,12 +142,10 @@ def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overr
         if status == "ok" and seconds > ch.timeout_s:
             status = "SLOW"
             error = f"took {seconds:.0f}s, syllabus allows {ch.timeout_s}s"
-        if in_place and out.exists():
-            strip_volatile(out)
         record = environment_record(profile)
         record.update({"notebook": ch.file, "status": status, "seconds": round(seconds, 1)})
-        record_path = out.with_suffix(".env.json")
-        record_path.write_text(json.dumps(record, indent=2) + "\n")
+        if out.exists():
+            finish_in_place(out, record) if in_place else _record_environment(out, record)
         rows.append({"id": ch.id, "notebook": ch.file, "status": status, "seconds": seconds, "error": error,
                      "output": str(out)})
     return rows

@@ -32,7 +32,7 @@ import socket
 import threading
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +43,6 @@ NAMES = ("auto", "cifar10", "synthetic")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-CIFAR10_SIZES = (50_000, 10_000)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 PROBE_TIMEOUT_S = 5.0  # how long to wait for a TCP connection to the download host before calling it offline
@@ -70,9 +69,6 @@ class DatasetInfo:
     test_size: int
     root: str
     seed: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------------------------- CIFAR-10

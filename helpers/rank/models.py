@@ -21,7 +21,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-CIFAR_INPUT_SHAPE = (3, 32, 32)
 CIFAR_INPUT_FEATURES = 3 * 32 * 32
 
 
