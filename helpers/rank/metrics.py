@@ -81,6 +81,10 @@ class TrainResult(TypedDict, total=False):
     cuda_peak_mib: float      # the rank's CUDA high-water mark at the end (torch.cuda.max_memory_allocated)
     model_state_bytes: dict   # helpers.rank.state.model_state_bytes: params, grads, optimizer, total, buffers
     comm_per_step: dict       # {collective: {"calls", "bytes"}} this rank handed to collectives per optimizer step
+    steps: int                # elastic: steps the run ended at (counted across restarts)
+    restart_count: int        # elastic: how often torchrun restarted the worker group (TORCHELASTIC_RESTART_COUNT)
+    resumed_from: str         # elastic: the snapshot the last start resumed from, or None
+    final_params_sha256: str  # elastic: SHA-256 of the final state_dict, to compare runs bitwise
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
