@@ -15,6 +15,11 @@ On failure a :class:`LaunchError` names the failing rank and shows its traceback
 stalls (no output and no metric for ``stall_timeout`` seconds), a crashed rank and a
 KeyboardInterrupt (the notebook's stop button) all end in the same place: the whole process tree
 is killed and nothing is left running.
+
+The package: :mod:`~helpers.launch.spec` checks a launch's arguments once, before anything starts;
+:mod:`~helpers.launch.environment` makes the run directory, the ranks' environment and a free port;
+:mod:`~helpers.launch.session` runs and watches the launcher's process tree; :mod:`~helpers.launch.diagnose` says
+which rank failed and why; :mod:`~helpers.launch.nodes` plays the nodes of a multi-node job on one machine.
 """
 from __future__ import annotations
 

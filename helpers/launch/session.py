@@ -95,7 +95,7 @@ class _Session:
         # the stall clock starts at the ranks' first sign of life: interpreter start-up and `import torch`
         # (seconds, more on a busy machine) are not a stall; `timeout` bounds them
         self.alive = False
-        self.status = "running"
+        self.status = "running"  # until follow() says how the run ended
         self.proc = subprocess.Popen(cmd, env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)

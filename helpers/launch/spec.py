@@ -59,15 +59,13 @@ class LaunchSpec:
     show: str
     name: str                      # the run directory's parent under runs_root()
     max_restarts: int = 0
-    config: Path | Mapping | None = None  # deepspeed: an existing JSON file or a dict
+    config: Path | dict | None = None  # deepspeed: an existing JSON file or a dict
 
     @classmethod
     def check(cls, kind: str, script, nproc=None, args=(), *, env=None, timeout=None, stall_timeout=None,
               name=None, show="rank0", max_restarts=0, nnodes=1, config=None) -> LaunchSpec:
-        """The launch these arguments ask for, or a :class:`LaunchError` with ``reason="invalid"``.
-
-        The cheap checks of the arguments' types come first; a DeepSpeed config is checked against the world
-        size and device last, since that may ask a subprocess about the GPUs."""
+        """The launch these arguments ask for, or a :class:`LaunchError` with ``reason="invalid"`` naming the first
+        problem found and what to change."""
         config = _check_config(config)
         _check_whole("max_restarts", max_restarts, 0)
         arg_list = _check_args(args)
@@ -82,9 +80,10 @@ class LaunchSpec:
                               "node (course/slurm_torchrun.sbatch)", reason="invalid")
         script_path = _resolve_script(script)
         nproc = _check_nproc(nproc, gpus)
-        cpus = _machine().cpu_count()
-        if nnodes > 1 and nproc * nnodes > 8 * cpus:
-            raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpus} cores would thrash", reason="invalid")
+        if nnodes > 1:
+            cpus = _machine().cpu_count()
+            if nproc * nnodes > 8 * cpus:
+                raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpus} cores would thrash", reason="invalid")
         if config is not None:
             _check_config_fits(config, nproc * nnodes, gpus)
         _check_timeouts(timeout, stall_timeout)
