@@ -1,0 +1,1 @@
+"""Inside a rank: what the ``course/`` scripts import. Never imports ``helpers.launch`` or ``helpers.notebook``."""
