@@ -14,11 +14,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from helpers.rank.devices import rank_device
 from helpers.rank.metrics import Reporter  # no-op unless HELPERS_RUN_DIR is set
-from helpers.rank.runtime import end_rank
+from helpers.rank.runtime import end_rank, launched_ranks
 
 
 @record
 def main() -> int:
+    launched_ranks("torchrun --nproc-per-node 2 course/ddp_basics.py")  # run with plain python: say how, and exit
     # Read before init: these are all a process knows about the job until it joins the group.
     env_rank = int(os.environ["RANK"])                          # unique over all nodes: 0 .. WORLD_SIZE-1
     local_rank = int(os.environ["LOCAL_RANK"])                  # unique on this node: picks the GPU

@@ -1,4 +1,4 @@
-"""The tuning chapter's measurements: helpers.calc.schedules/comm, helpers.rank.state, helpers.notebook.results, and course/ddp_results.py, course/ds_results.py and
+"""The tuning chapter's measurements: helpers.calc.schedules/comm, helpers.rank.state, helpers.notebook.results, and course/ddp_tuning.py, course/ds_tuning.py and
 course/ddp_accumulation_check.py launched for real on two CPU ranks (the slow tests)."""
 import math
 
@@ -106,11 +106,11 @@ slow = pytest.mark.slow
 
 
 def _ddp(args, **kw):
-    return launch.torchrun("course/ddp_results.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none", **kw)
+    return launch.torchrun("course/ddp_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none", **kw)
 
 
 def _ds(args):
-    return launch.deepspeed("course/ds_results.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none")
+    return launch.deepspeed("course/ds_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none")
 
 
 def _losses(run, rank=0):

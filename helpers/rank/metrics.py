@@ -83,7 +83,7 @@ class TrainResult(TypedDict, total=False):
     comm_per_step: dict       # {collective: {"calls", "bytes"}} this rank handed to collectives per optimizer step
     steps: int                # elastic: steps the run ended at (counted across restarts)
     restart_count: int        # elastic: how often torchrun restarted the worker group (TORCHELASTIC_RESTART_COUNT)
-    resumed_from: str         # elastic: the snapshot the last start resumed from, or None
+    resumed_from: int         # elastic: the step of the snapshot the last start resumed from, or None
     final_params_sha256: str  # elastic: SHA-256 of the final state_dict, to compare runs bitwise
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
