@@ -49,7 +49,8 @@ def render(rows: list[dict], profile: str, environment: dict) -> str:
     table = "\n".join(
         f"<tr><td>{esc(r['id'])}</td><td><a href='#nb{esc(r['id'])}'>{esc(r['notebook'])}</a></td>"
         f"<td style='color:{STATUS_COLOURS.get(r['status'], '#000')};font-weight:bold'>{esc(r['status'])}</td>"
-        f"<td style='text-align:right'>{r['seconds']:.1f}</td><td>{esc(r.get('error') or '')}</td></tr>"
+        f"<td style='text-align:right'>{r['seconds']:.1f}</td><td style='text-align:right'>{esc(r.get('checks', '-'))}</td>"
+        f"<td>{esc(r.get('error') or '')}</td></tr>"
         for r in rows)
     sections = []
     for r in rows:
@@ -70,7 +71,7 @@ pre{{background:#f6f8fa;padding:8px;overflow-x:auto}}</style></head><body>
 <h1>Course report</h1>
 <p>{time.strftime('%Y-%m-%d %H:%M:%S %Z')} · profile <b>{esc(profile)}</b> · {len(rows)} notebook(s),
 {sum(r['status'] == 'ok' for r in rows)} ok · {total:.0f} s in all</p>
-<table><tr><th>id</th><th>notebook</th><th>status</th><th>seconds</th><th>note</th></tr>
+<table><tr><th>id</th><th>notebook</th><th>status</th><th>seconds</th><th>checks True</th><th>note</th></tr>
 {table}</table>
 <h3>Environment</h3><table>{env_rows}</table>
 {''.join(sections)}

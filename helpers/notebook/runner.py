@@ -22,6 +22,8 @@ from pathlib import Path
 import nbformat
 import yaml
 
+from . import checks
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 SYLLABUS = ROOT / "course" / "syllabus.yml"
@@ -139,6 +141,10 @@ def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overr
         except Exception as exc:  # papermill raises PapermillExecutionError with the failing cell
             status, error = "FAILED", str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
         seconds = time.monotonic() - start
+        verdicts = checks_of(out) if out.exists() else None
+        if status == "ok" and verdicts is not None and verdicts.failed:
+            status = "FAILED"
+            error = f"{len(verdicts.failed)} check(s) printed False, first: {verdicts.failed[0]}"
         if status == "ok" and seconds > ch.timeout_s:
             status = "SLOW"
             error = f"took {seconds:.0f}s, syllabus allows {ch.timeout_s}s"
@@ -147,15 +153,21 @@ def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overr
         if out.exists():
             finish_in_place(out, record) if in_place else _record_environment(out, record)
         rows.append({"id": ch.id, "notebook": ch.file, "status": status, "seconds": seconds, "error": error,
-                     "output": str(out)})
+                     "checks": str(verdicts) if verdicts is not None else "-", "output": str(out)})
     return rows
 
 
+def checks_of(nb_path: Path) -> checks.Tally:
+    """The check lines of an executed notebook: passed/total, and the claims that printed False."""
+    return checks.tally(nbformat.read(nb_path, as_version=4))
+
+
 def summary_table(rows: list[dict]) -> str:
+    """One line per notebook: status, seconds, and its checks that printed True out of all of them."""
     width = max([len(r["notebook"]) for r in rows] + [8])
-    lines = [f"{'notebook':<{width}}  {'status':<7}  {'seconds':>8}", "-" * (width + 19)]
+    lines = [f"{'notebook':<{width}}  {'status':<7}  {'seconds':>8}  {'checks':>7}", "-" * (width + 28)]
     for r in rows:
-        lines.append(f"{r['notebook']:<{width}}  {r['status']:<7}  {r['seconds']:>8.1f}")
+        lines.append(f"{r['notebook']:<{width}}  {r['status']:<7}  {r['seconds']:>8.1f}  {r.get('checks', '-'):>7}")
         if r["error"]:
             lines.append(f"    {r['error']}")
     return "\n".join(lines)
