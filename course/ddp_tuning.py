@@ -10,7 +10,6 @@ Every rank reports per optimizer step: loss, gradient norm (before clipping), le
 also allocated and peak CUDA memory) and step time. Its DeepSpeed twin, course/ds_tuning.py, takes the same flags;
 diff the two to see what the DeepSpeed engine and its config take over.
 """
-import argparse
 import contextlib
 import gc
 import os
@@ -27,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 from helpers.rank.checkpoint import save_atomic
 from helpers.rank.data import get_datasets
 from helpers.rank.devices import rank_device
-from helpers.rank.loop import batches, counting_hook
+from helpers.rank.loop import batches, counting_hook, tuning_parser
 from helpers.rank.metrics import Reporter
 from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
 from helpers.rank.runtime import end_rank, launched_ranks, log0
@@ -35,25 +34,9 @@ from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description="DDP training with clipping, warmup, bf16, accumulation, compile.")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32, help="micro batch per rank")
-    p.add_argument("--accumulation", type=int, default=1, help="micro batches per optimizer step")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    p.add_argument("--clip", type=float, default=None, help="max global gradient norm (clip_grad_norm_)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup from 0 over this many steps")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass")
+    # the flags both twins share come from helpers/rank/loop.py; only what differs is added here
+    p = tuning_parser("DDP training with clipping, warmup, bf16, accumulation, compile.")
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
-    p.add_argument("--model", choices=["cnn", "memory"], default="cnn", help="memory: a wide MLP of --params")
-    p.add_argument("--params", type=int, default=20_000_000, help="parameters of --model memory")
-    p.add_argument("--depth", type=int, default=4, help="layers of --model memory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
-    p.add_argument("--data-root", default="data")
-    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
-    p.add_argument("--save-dir", default=None, help="rank 0 saves model + optimizer state here at the end")
     return p.parse_args()
 
 

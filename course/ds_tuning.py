@@ -9,7 +9,6 @@ bf16 section (weights and gradients in bf16, fp32 master copy in the optimizer),
 gradient_accumulation_steps; --stage and --offload pick ZeRO's partitioning. Every rank reports the same per-step
 fields as the DDP script, plus the model-state bytes it holds, read from the engine.
 """
-import argparse
 import time
 
 import deepspeed
@@ -24,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from helpers.calc import dsconfig
 from helpers.rank.data import get_datasets
-from helpers.rank.loop import batches
+from helpers.rank.loop import batches, tuning_parser
 from helpers.rank.metrics import Reporter
 from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
 from helpers.rank.runtime import end_rank, forget_deepspeed_shm_buffer, launched_ranks, log0
@@ -32,29 +31,13 @@ from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description="DeepSpeed twin of course/ddp_tuning.py (launch with deepspeed).")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32, help="micro batch per rank")
-    p.add_argument("--accumulation", type=int, default=1, help="micro batches per optimizer step")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    p.add_argument("--clip", type=float, default=None, help="max global gradient norm (gradient_clipping)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear WarmupLR from 0 over this many steps")
-    p.add_argument("--bf16", action="store_true", help="bf16 weights and gradients, fp32 master copy")
+    # the flags both twins share come from helpers/rank/loop.py; only what differs is added here
+    p = tuning_parser("DeepSpeed twin of course/ddp_tuning.py (launch with deepspeed).")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     p.add_argument("--offload", choices=["optimizer", "param", "both"], default=None, help="ZeRO offload to CPU")
     p.add_argument("--bucket-size", type=int, default=None, help="ZeRO reduce/allgather bucket, in elements")
     p.add_argument("--count-comms", action="store_true",
                    help="DeepSpeed's comms_logger counts every collective (synchronises after each: slower on GPUs)")
-    p.add_argument("--model", choices=["cnn", "memory"], default="cnn", help="memory: a wide MLP of --params")
-    p.add_argument("--params", type=int, default=20_000_000, help="parameters of --model memory")
-    p.add_argument("--depth", type=int, default=4, help="layers of --model memory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
-    p.add_argument("--data-root", default="data")
-    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
-    p.add_argument("--save-dir", default=None, help="every rank saves its shard of a DeepSpeed checkpoint here")
     p.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher (LOCAL_RANK is used)")
     return p.parse_args()
 
