@@ -4,11 +4,11 @@ without an error, and the ZeRO memory calculator answers its "parameters (B)" sl
 Drives Debian's Chromium (/usr/bin/chromium) with Playwright against a throwaway JupyterLab on a copy of the course.
 Screenshots go to build/browser/. Skipped, with the reason, only where Chromium or Playwright is missing.
 """
-import json
 import re
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from helpers.notebook.runner import BUILD, syllabus
@@ -73,7 +73,7 @@ def page(browser):
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
 def test_notebook_renders_with_the_course_kernel(lab, page, chapter):
-    committed = json.loads(chapter.path.read_text())
+    committed = nbformat.read(chapter.path, as_version=4)
     view = NotebookPage(page, lab, f"notebooks/{chapter.file}")
     try:
         start = time.monotonic()
@@ -116,7 +116,7 @@ def _calculator_cells(root: Path) -> tuple[str, list[int]]:
     """The notebook and cell indices to run: the course's cells tagged zero-calculator (after its parameters
     cell), or, until a notebook has them, a one-cell notebook written for this test."""
     for chapter in CHAPTERS:
-        cells = json.loads(chapter.path.read_text())["cells"]
+        cells = nbformat.read(chapter.path, as_version=4).cells
         tagged = [i for i, c in enumerate(cells) if CALCULATOR_TAG in _tags(c)]
         if tagged:
             parameters = [i for i, c in enumerate(cells) if "parameters" in _tags(c)]
