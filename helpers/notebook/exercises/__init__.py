@@ -4,9 +4,12 @@ Every checker returns a :class:`Verdict` and never raises on a wrong or malforme
 learner sees a message rather than a traceback. Hints name the idea that is missing; they never
 print the expected answer.
 
+The checkers of notebooks 01 and 02 live here; each later chapter has its own module beside this one
+(``helpers.notebook.exercises.<chapter>``), built on :class:`Verdict` and :func:`_never_raises`.
+
 Example::
 
-    from helpers import exercises
+    from helpers.notebook import exercises
     exercises.check_global_batch(64, per_rank_batch=32, world_size=2)
     # Correct: 32 samples per rank x 2 ranks x 1 micro-step = one optimizer step's global batch.
 """
