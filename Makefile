@@ -30,8 +30,8 @@ unit: setup
 	$(VENV)/bin/lint-imports --no-cache   # the rank / kernel / calc line (pyproject.toml)
 	$(PY) -m pytest tests -q
 
-nbtest: setup
-	$(PY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider
+nbtest: setup          # no live progress bars: the committed outputs have none (helpers/launch/session.py)
+	HELPERS_PROGRESS=off $(PY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider
 
 lab: setup             ## JupyterLab on the course
 	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_environment_check.ipynb

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .session import course_relative
 from .spec import LaunchError
 
 if TYPE_CHECKING:
@@ -117,21 +118,27 @@ def _tails_text(session: _Session, lines: int = 8, before_stacks: bool = False) 
     return "\n".join(parts)
 
 
+def _shown(message: str, **fields) -> LaunchError:
+    """The error as a learner reads it: paths under the course root shown relative to it (the logs keep them whole,
+    and ``run_dir`` is absolute)."""
+    return LaunchError(course_relative(message), **fields)
+
+
 def _error_for(status, session: _Session, script: Path, timeout, stall_timeout) -> LaunchError:
     where = f"run dir: {session.run_dir}"
     if status == "timeout":
-        return LaunchError(f"{script.name} exceeded timeout={timeout}s; killed every rank.\n"
+        return _shown(f"{script.name} exceeded timeout={timeout}s; killed every rank.\n"
                            f"Last output of each rank:\n{_tails_text(session)}\n{where}",
                            run_dir=session.run_dir, reason="timeout")
     if status == "stalled":
         stacks = "".join(f"\n--- Python stack of rank {rank} when it stalled ---\n{_innermost(text)}"
                          for rank, text in sorted(session.stacks.items()))
-        return LaunchError(f"{script.name} stalled: no output or metric for {stall_timeout}s (a rank waiting in a "
+        return _shown(f"{script.name} stalled: no output or metric for {stall_timeout}s (a rank waiting in a "
                            f"collective the others never reach is the usual cause); killed every rank.\n"
                            f"Last output of each rank:\n{_tails_text(session, before_stacks=True)}{stacks}\n{where}",
                            run_dir=session.run_dir, reason="stalled")
     if status in ("interrupted", "error"):
-        return LaunchError(f"{script.name} was {status}; killed every rank. {where}", run_dir=session.run_dir,
+        return _shown(f"{script.name} was {status}; killed every rank. {where}", run_dir=session.run_dir,
                            reason=status)
     rank, exitcode, tb = _failing_rank(session)
     if exitcode is None:
@@ -141,7 +148,7 @@ def _error_for(status, session: _Session, script: Path, timeout, stall_timeout) 
     if tb is None:
         tb = "\n".join(session.launcher_tail[-25:])
     who = f"rank {rank}" if rank is not None else "the launcher"
-    return LaunchError(f"{who} failed (exit code {exitcode}) running {script.name}.\n"
+    return _shown(f"{who} failed (exit code {exitcode}) running {script.name}.\n"
                        f"--- traceback of {who} ---\n{tb.rstrip()}\n"
                        f"--- last output of every rank ---\n{_tails_text(session)}\n{where}",
                        rank=rank, exitcode=exitcode, run_dir=session.run_dir, reason="failed")

@@ -19,6 +19,16 @@ import psutil
 from ..rank import metrics as _metrics
 from .spec import PROJECT_ROOT
 
+# "off": no live progress bar. The course runner and `make nbtest` set it: a bar saved in a static output shows the
+# state it was drawn in (0%), which is noise to a reader and to nbval; in JupyterLab the bar is live as usual.
+PROGRESS_ENV = "HELPERS_PROGRESS"
+
+
+def course_relative(text: str) -> str:
+    """``text`` with the course root's absolute path dropped from the paths in it: what a cell shows a learner is
+    the same on every machine (``runs/x/rank0.log``, ``course/ddp_cifar10.py``). The log files keep the full text."""
+    return text.replace(f"{PROJECT_ROOT}{os.sep}", "")
+
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -134,6 +144,7 @@ class _Session:
             self._print(f"[launcher] {text}")
 
     def _print(self, text: str) -> None:
+        text = course_relative(text)
         if self.progress is not None:
             self.progress.write(text)
         else:
@@ -197,7 +208,7 @@ class _Session:
                 self.progress.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
 
     def _open_progress(self) -> None:
-        if self.progress is not None or not self.total_steps:
+        if self.progress is not None or not self.total_steps or os.environ.get(PROGRESS_ENV) == "off":
             return
         try:
             from tqdm.auto import tqdm

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -120,6 +121,8 @@ def execute(chapter: Chapter, output: Path, profile: str, overrides: dict, kerne
 
     params = dict(chapter.parameters.get(profile, {}))
     params.update(overrides)
+    # the kernel inherits this: no live progress bars in an output that is saved (helpers.launch.session)
+    os.environ.setdefault("HELPERS_PROGRESS", "off")
     output.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(str(chapter.path), str(output), parameters=params, kernel_name=kernel,
                         cwd=str(NOTEBOOKS), execution_timeout=cell_timeout, progress_bar=False,

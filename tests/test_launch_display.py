@@ -1,0 +1,43 @@
+"""What a cell shows of a launch is the same on every machine: paths under the course root appear relative to it
+(the log files keep them whole), and no progress bar is drawn when HELPERS_PROGRESS=off (saved outputs)."""
+import pytest
+
+from helpers import launch
+from helpers.launch.session import course_relative
+
+SCRIPT = "tests/scripts/print_path.py"
+
+
+def test_course_relative_drops_only_the_course_root():
+    root = launch.PROJECT_ROOT
+    assert course_relative(f"see {root}/runs/x/rank0.log and /tmp/{root.name}/y") == \
+        f"see runs/x/rank0.log and /tmp/{root.name}/y"
+
+
+@pytest.mark.slow
+def test_streamed_lines_show_paths_relative_to_the_course_root(runs_root, capsys):
+    run = launch.torchrun(SCRIPT, nproc=2, show="all", timeout=120, stall_timeout=60)
+    shown = capsys.readouterr().out
+    assert "rank 0 runs tests/scripts/print_path.py" in shown, shown
+    assert str(launch.PROJECT_ROOT) not in shown
+    assert f"runs {launch.PROJECT_ROOT}/tests/scripts/print_path.py" in run.log(0), "the log keeps the full path"
+
+
+@pytest.mark.slow
+def test_a_failure_message_shows_paths_relative_to_the_course_root(runs_root):
+    with pytest.raises(launch.LaunchError) as info:
+        launch.torchrun(SCRIPT, nproc=2, env={"FAIL": "1"}, show="none", timeout=120, stall_timeout=60)
+    message = str(info.value)
+    assert info.value.rank == 1 and "planned failure in tests/scripts/print_path.py" in message, message
+    assert str(launch.PROJECT_ROOT) not in message
+    assert info.value.run_dir.is_absolute() and info.value.run_dir.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, drawn", [("off", False), ("on", True)])
+def test_progress_bar_is_drawn_unless_switched_off(runs_root, monkeypatch, capsys, setting, drawn):
+    monkeypatch.setenv("HELPERS_PROGRESS", setting)
+    launch.torchrun("tests/scripts/steps.py", nproc=2, env={"STEPS": "5"}, show="rank0", timeout=120,
+                    stall_timeout=60)
+    captured = capsys.readouterr()
+    assert ("rank 0 steps" in captured.err + captured.out) == drawn
