@@ -38,6 +38,8 @@ lab: setup             ## JupyterLab on the course
 
 regen: setup           ## instructors: re-execute notebooks in place, strip volatile metadata
 	$(PY) -m helpers regen --profile $(PROFILE)
+	@# what a reviewer should read: changed check lines and compared outputs, not timings and images
+	@$(PY) -m helpers.notebook.regen_diff || true
 
 bench: setup           ## benchmarks: printed ratios, not pass/fail tests
 	$(PY) benchmarks/bench_launcher.py

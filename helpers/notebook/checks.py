@@ -20,15 +20,15 @@ PREFIX = "[check] "
 LINE = re.compile(r"^\[check\] (?P<claim>.*): (?P<verdict>True|False)(?:\s+\(measured: .*\))?\s*$")
 
 
-def claim(text: str, holds, *, measured: str | None = None) -> bool:
-    """Print one check line for ``text`` with the verdict ``bool(holds)`` (and the measured value, if given);
-    returns the verdict."""
+def claim(text: str, holds, *, measured: str | None = None) -> None:
+    """Print one check line for ``text`` with the verdict ``bool(holds)`` (and the measured value, if given).
+
+    It returns nothing, so a claim on a cell's last line adds no ``True`` echo under its check line."""
     verdict = bool(holds)
     line = f"{PREFIX}{text}: {verdict}"
     if measured is not None:
         line += f"   (measured: {measured})"
     print(line, flush=True)
-    return verdict
 
 
 @dataclass(frozen=True)

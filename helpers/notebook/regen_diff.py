@@ -1,0 +1,108 @@
+"""What a regen changed that a reviewer should read: compared outputs and check lines, not timings and images.
+
+``make regen`` rewrites every output; most of what changes (durations, ports, PIDs, re-encoded plots, cells marked
+``nbval-ignore-output``) means nothing. This compares each notebook with its committed version (``git show
+HEAD:<path>``) the way nbval does -- text outputs of the compared cells, after the substitutions in
+``tests/nbval_sanitize.cfg`` -- and lists what differs, check lines first. A regen with no change to the course
+lists nothing but the count of cells whose ignored output or images moved.
+
+    python -m helpers.notebook.regen_diff            # every notebook against HEAD
+    python -m helpers.notebook.regen_diff 02 --base HEAD~3
+"""
+from __future__ import annotations
+
+import argparse
+import configparser
+import difflib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from . import checks
+from .runner import ROOT, select, syllabus
+
+SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
+IGNORE_TAGS = ("nbval-ignore-output", "nbval-skip")
+
+
+def substitutions(path: Path = SANITIZE) -> list[tuple[re.Pattern, str]]:
+    """The (regex, replacement) pairs nbval applies before comparing outputs."""
+    cfg = configparser.ConfigParser()
+    cfg.read(path)
+    return [(re.compile(cfg[s]["regex"]), cfg[s]["replace"]) for s in cfg.sections()]
+
+
+def compared_text(cell, subs) -> str | None:
+    """The text nbval compares for a code cell (stream and text/plain outputs, sanitized), None if it is ignored."""
+    if cell.cell_type != "code" or any(t in cell.metadata.get("tags", []) for t in IGNORE_TAGS):
+        return None
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif "data" in out and "text/plain" in out["data"] and "image/png" not in out["data"]:
+            parts.append(out["data"]["text/plain"])
+    text = "".join(parts)
+    for pattern, replacement in subs:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def changes(old, new, subs) -> dict:
+    """``checks`` (check lines added, removed or flipped), ``cells`` (compared cells whose text differs, with a short
+    diff) and ``noise`` (cells whose only changes are ones nbval does not compare)."""
+    old_checks, new_checks = checks.check_lines(old), checks.check_lines(new)
+    out = {"checks": [f"- {c}: {v}" for c, v in old_checks if (c, v) not in new_checks]
+                     + [f"+ {c}: {v}" for c, v in new_checks if (c, v) not in old_checks],
+           "cells": [], "noise": 0}
+    for i, (a, b) in enumerate(zip(old.cells, new.cells)):
+        ta, tb = compared_text(a, subs), compared_text(b, subs)
+        if ta is not None and tb is not None and ta != tb:
+            diff = [l for l in difflib.unified_diff(ta.splitlines(), tb.splitlines(), lineterm="", n=0)
+                    if not l.startswith(("---", "+++", "@@"))]
+            out["cells"].append((i, diff[:6]))
+        elif a.get("outputs") != b.get("outputs"):
+            out["noise"] += 1
+    if len(old.cells) != len(new.cells):
+        out["cells"].append((min(len(old.cells), len(new.cells)), [f"cells: {len(old.cells)} -> {len(new.cells)}"]))
+    return out
+
+
+def committed(path: Path, base: str):
+    rel = path.resolve().relative_to(ROOT)
+    text = subprocess.run(["git", "show", f"{base}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return nbformat.reads(text, as_version=4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", help="ids, file names or stems; default: all")
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
+    args = parser.parse_args(argv)
+    subs = substitutions()
+    _, chapters = syllabus()
+    meaningful = 0
+    for ch in select(chapters, args.notebooks):
+        try:
+            old = committed(ch.path, args.base)
+        except subprocess.CalledProcessError:
+            print(f"{ch.file}: not in {args.base}")
+            continue
+        found = changes(old, nbformat.read(ch.path, as_version=4), subs)
+        meaningful += len(found["checks"]) + len(found["cells"])
+        print(f"{ch.file}: {len(found['checks'])} check line(s), {len(found['cells'])} compared cell(s) changed; "
+              f"{found['noise']} cell(s) changed only in timings, images or ignored output")
+        for line in found["checks"]:
+            print(f"    check {line}")
+        for i, diff in found["cells"]:
+            print(f"    cell {i}:")
+            for line in diff:
+                print(f"      {line[:150]}")
+    return 0 if meaningful == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""regen_diff tells a reviewer what a regen changed that nbval would see -- check lines and compared outputs -- and
+counts the rest (timings, ports, images, ignored cells) as noise."""
+import copy
+
+import nbformat
+
+from helpers.notebook import regen_diff
+
+
+def _nb(check: str, duration: str, ignored: str):
+    nb = nbformat.v4.new_notebook()
+    compared = nbformat.v4.new_code_cell("...")
+    compared.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{check}\ntook {duration}\n")]
+    hidden = nbformat.v4.new_code_cell("...", metadata={"tags": ["nbval-ignore-output"]})
+    hidden.outputs = [nbformat.v4.new_output("stream", name="stdout", text=ignored)]
+    nb.cells = [compared, hidden]
+    return nb
+
+
+def test_timings_and_ignored_output_are_noise_only():
+    subs = regen_diff.substitutions()
+    old = _nb("[check] loss fell: True", "1.2 s", "pid 123 rank0 line")
+    new = _nb("[check] loss fell: True", "3.4 s", "pid 456 rank1 line")
+    found = regen_diff.changes(old, new, subs)
+    assert found == {"checks": [], "cells": [], "noise": 2}
+
+
+def test_a_flipped_check_and_a_changed_compared_line_are_listed():
+    subs = regen_diff.substitutions()
+    old = _nb("[check] loss fell: True", "1.2 s", "x")
+    new = copy.deepcopy(old)
+    new.cells[0].outputs[0]["text"] = "[check] loss fell: False\ntook 1.2 s\n"
+    found = regen_diff.changes(old, new, subs)
+    assert found["checks"] == ["- loss fell: True", "+ loss fell: False"]
+    assert [i for i, _ in found["cells"]] == [0] and "+[check] loss fell: False" in found["cells"][0][1]
