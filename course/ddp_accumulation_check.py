@@ -11,6 +11,8 @@ From the same weights, each rank computes the gradient of the same N x B images 
 Each micro batch's loss is divided by N, so the micro gradients add up to the big batch's mean gradient. A DDP
 communication hook counts the all-reduce calls and bytes of each way. Every rank reports the largest difference
 between its gradients and the big batch's. (Models with BatchNorm would differ: micro batches see other statistics.)
+Each way is timed --repeats times, the three ways taking turns, after one untimed warm-up; the result holds the
+median seconds and the spread (min, max) of each.
 """
 import argparse
 import contextlib
@@ -34,6 +36,7 @@ def parse_args():
     p = argparse.ArgumentParser(description="N accumulated micro batches vs one big batch, under DDP.")
     p.add_argument("--micro-batches", type=int, default=4, help="N: micro batches per optimizer step")
     p.add_argument("--batch-size", type=int, default=16, help="B: images per micro batch per rank")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions of each way (median and spread reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="synthetic")
     p.add_argument("--data-root", default="data")
@@ -71,16 +74,24 @@ def main():
     ddp = DDP(SimpleCNN(info.num_classes))
     ddp.register_comm_hook(counter, counting_hook)  # DDP calls it once per gradient bucket: count, then all-reduce
     gradient(ddp, counter, images, labels, 1, False)  # warm-up: DDP re-orders its buckets after the first backward
-    big, big_comm = gradient(ddp, counter, images, labels, 1, False)
-    no_sync, no_sync_comm = gradient(ddp, counter, images, labels, n, True)
-    every, every_comm = gradient(ddp, counter, images, labels, n, False)
+    ways = {"big batch": (1, False), "no_sync": (n, True), "every step": (n, False)}
+    grads, comm, seconds = {}, {}, {way: [] for way in ways}
+    for _ in range(max(1, args.repeats)):  # the ways take turns, so a slow moment of the machine hits all of them
+        for way, (micro, use_no_sync) in ways.items():
+            grads[way], comm[way] = gradient(ddp, counter, images, labels, micro, use_no_sync)
+            seconds[way].append(comm[way]["seconds"])
+    for way, times in seconds.items():  # calls and bytes are the same every time; the clock is not
+        times = sorted(times)
+        comm[way].update(seconds=times[len(times) // 2], seconds_min=times[0], seconds_max=times[-1])
+    big, no_sync, every = grads["big batch"], grads["no_sync"], grads["every step"]
+    big_comm, no_sync_comm, every_comm = comm["big batch"], comm["no_sync"], comm["every step"]
 
     scale = big.abs().max().item()
     rep.result(micro_batches=n, micro_batch=b, world_size=world_size, global_batch=n * b * world_size,
                params=big.numel(), grad_max_abs=scale,
                no_sync_max_abs_diff=(no_sync - big).abs().max().item(),
                every_step_max_abs_diff=(every - big).abs().max().item(),
-               comm={"big batch": big_comm, "no_sync": no_sync_comm, "every step": every_comm})
+               repeats=max(1, args.repeats), comm=comm)
     log0(f"{n} micro batches of {b} vs one batch of {n * b} per rank, {world_size} ranks: max |grad difference| "
          f"{(no_sync - big).abs().max().item():.2e} (largest gradient {scale:.2e}); all-reduce calls "
          f"big batch {big_comm['calls']}, no_sync {no_sync_comm['calls']}, every step {every_comm['calls']}")

@@ -44,6 +44,8 @@ def parse_args():
     p.add_argument("--data-root", default="data")
     p.add_argument("--out-dir", default=os.environ.get("HELPERS_RUN_DIR") or "runs/ddp_cifar10")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--skip-steps", type=int, default=5,
+                   help="steps left out of samples_per_s: allocator warm-up, DDP's first bucketing, first all-reduce")
     return p.parse_args()
 
 
@@ -100,21 +102,37 @@ def train(args, rank, local_rank, world_size, device):
     log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} "
          f"global_batch={args.batch_size * world_size} steps={total_steps}")
 
-    step, samples, start = 0, 0, time.perf_counter()
+    # Throughput is the steady state: the first --skip-steps steps (allocator warm-up, DDP's first bucketing and
+    # all-reduce, lazy initialisation) are left out of samples_per_s, and only steps skip+1 .. last are timed
+    # (data loading, forward, backward with its all-reduce, optimizer step), on rank 0. first_step_s shows the
+    # start-up cost that is skipped. On GPUs each step ends with a synchronize, so the clock sees finished work.
+    skip = max(0, min(args.skip_steps, total_steps - 1))
+    step, samples, timed_samples, timed_s, first_step_s = 0, 0, 0, 0.0, None
+    start = time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, identical on all ranks
+        step_start = time.perf_counter()
         for images, labels in loader:
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces (averages) the gradients across ranks during backward
             optimizer.step()  # identical gradients -> identical updates -> replicas stay in sync
+            loss_value = loss.item()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - step_start
             step += 1
             samples += labels.size(0)
-            rep.step(step, loss=loss.item(), epoch=epoch, samples=labels.size(0))
+            first_step_s = step_s if first_step_s is None else first_step_s
+            if step > skip:
+                timed_samples, timed_s = timed_samples + labels.size(0), timed_s + step_s
+            rep.step(step, loss=loss_value, epoch=epoch, samples=labels.size(0), step_s=step_s)
             if step % 20 == 0 or step == total_steps:
-                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}")
+                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss_value:.4f}")
+            step_start = time.perf_counter()  # the next step's clock includes fetching its batch
     train_seconds = time.perf_counter() - start
+    samples_per_s = timed_samples * world_size / timed_s if timed_s else None
 
     accuracy = evaluate(model.module, test_ds, rank, world_size, device, batch_size=256)
     checkpoint = os.path.join(args.out_dir, "ddp_model.pt")
@@ -123,11 +141,13 @@ def train(args, rank, local_rank, world_size, device):
     dist.barrier()  # nobody moves on (or exits) before the checkpoint is on disk
 
     memory = peak_memory(device)  # this rank's high-water marks, RSS (and CUDA); rank 0's are reported
-    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training")
+    rate = f"{samples_per_s:.0f} samples/s over steps {skip + 1}-{total_steps}" if samples_per_s else "no steps"
+    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training | {rate}")
     if rank == 0:
         rep.result(test_accuracy=accuracy, train_samples=samples * world_size, world_size=world_size,
                    global_batch=args.batch_size * world_size, dataset=info.name, checkpoint=checkpoint,
-                   train_seconds=train_seconds, samples_per_s=samples * world_size / train_seconds, **memory)
+                   train_seconds=train_seconds, first_step_s=first_step_s,
+                   samples_per_s=samples_per_s, **memory)
 
 
 if __name__ == "__main__":

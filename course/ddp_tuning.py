@@ -37,6 +37,9 @@ def parse_args():
     # the flags both twins share come from helpers/rank/loop.py; only what differs is added here
     p = tuning_parser("DDP training with clipping, warmup, bf16, accumulation, compile.")
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+    p.add_argument("--no-count-comms", action="store_true",
+                   help="leave out the counting comm hook (DDP's built-in all-reduce): for timing runs that compare "
+                        "like with like against uncounted DeepSpeed runs")
     return p.parse_args()
 
 
@@ -68,7 +71,8 @@ def train(args, rank, local_rank, world_size, device):
     ddp = DDP(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     comm = {"calls": 0, "bytes": 0}
-    ddp.register_comm_hook(comm, counting_hook)  # counts each bucket's calls and bytes, then all-reduces it
+    if not args.no_count_comms:
+        ddp.register_comm_hook(comm, counting_hook)  # counts each bucket's calls and bytes, then all-reduces it
     net = torch.compile(ddp) if args.compile else ddp  # compiles on the first forward (the first step is slow)
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -124,7 +128,8 @@ def train(args, rank, local_rank, world_size, device):
             checkpoint_bytes = dir_bytes(args.save_dir)
         dist.barrier()
     per_step = {k: v / max(1, args.steps - 1) for k, v in comm.items()}
-    rep.result(model_state_bytes=states, comm_per_step={"all_reduce": per_step})  # every rank: its own
+    counted = None if args.no_count_comms else {"all_reduce": per_step}
+    rep.result(model_state_bytes=states, comm_per_step=counted)  # every rank: its own
     if rank == 0:
         rep.result(framework="ddp", dtype="bf16-autocast" if args.bf16 else "fp32", params=params,
                    world_size=world_size, global_batch=args.batch_size * args.accumulation * world_size,

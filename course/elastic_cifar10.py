@@ -9,6 +9,8 @@ processes. Nothing in memory survives, so everything needed to carry on is in th
 RNG states. It is written atomically (a crash mid-write leaves the previous one intact) and on start every rank
 loads the newest, so on CPU the run ends bitwise equal to one that never crashed. On a cluster --snapshot-dir
 must be on a filesystem every node sees. FAULT_RANK=r FAULT_STEP=s: rank r exits abruptly after step s, once.
+At the end rank 0 measures the test accuracy on --test-size images (the same for a resumed run as for one that never
+crashed, since the weights are bitwise the same).
 """
 import argparse
 import itertools
@@ -38,6 +40,7 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=32, help="per rank; the global batch is this x WORLD_SIZE")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
+    p.add_argument("--test-size", type=int, default=1000, help="test images for the accuracy at the end (rank 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
     p.add_argument("--data-root", default="data")
@@ -102,7 +105,7 @@ def train(args, rank, local_rank, world_size, device, restart_count):
     random.seed(args.seed)  # not used here, but RNG state a real script must restore (numpy's too, if used)
     torch.use_deterministic_algorithms(True, warn_only=True)  # same inputs -> same bits, so resume can be exact
 
-    train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, test_size=1, seed=args.seed)
+    train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
     log0(info.announcement)
     sampler = ResumableSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
     # The loader gets its own generator: by default every new epoch iterator draws a seed from the global RNG,
@@ -130,7 +133,9 @@ def train(args, rank, local_rank, world_size, device, restart_count):
         random.setstate(snap["rng"]["python"])
         resumed_from = step = snap["step"]
         start_epoch, seen = snap["epoch"], snap["seen"]
-        log0(f"attempt {restart_count}: resumed from {found[0]} (step {step}, epoch {start_epoch})")
+        rel = os.path.relpath(found[0])
+        shown = found[0] if rel.startswith("..") else rel  # relative to the working directory when inside it
+        log0(f"attempt {restart_count}: resumed from {shown} (step {step}, epoch {start_epoch})")
         rep.event("resumed", step=step, snapshot=found[0], attempt=restart_count)
     rep.total(total_steps)
     log0(f"world_size={world_size} backend={dist.get_backend()} steps={total_steps} attempt={restart_count}")
@@ -171,12 +176,28 @@ def train(args, rank, local_rank, world_size, device, restart_count):
     weights = model.module.state_dict()
     digest = state_dict_sha256(weights)  # every rank reports it: the replicas must agree bit for bit
     final = os.path.join(args.out_dir, "final_model.pt")
+    accuracy = None
     if rank == 0:
         save_atomic(weights, final)
+        accuracy = evaluate(model.module, test_ds, device)  # the replicas are identical: one rank measures
     dist.barrier()
     log0(f"done: {step} steps, resumed from {resumed_from}, restarts {restart_count}, sha256 {digest[:16]}")
+    if rank == 0:
+        log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images")
     rep.result(final_params_sha256=digest, steps=step, resumed_from=resumed_from, restart_count=restart_count,
-               world_size=world_size, checkpoint=final, dataset=info.name)
+               world_size=world_size, checkpoint=final, dataset=info.name,
+               test_accuracy=accuracy)  # measured on rank 0 only; None on the other ranks
+
+
+@torch.no_grad()
+def evaluate(module, test_ds, device, batch_size=256):
+    """Accuracy of ``module`` on the whole test set, on this rank alone (no collectives)."""
+    module.eval()
+    correct = 0
+    for images, labels in DataLoader(test_ds, batch_size=batch_size):
+        correct += (module(images.to(device)).argmax(1).cpu() == labels).sum().item()
+    module.train()
+    return correct / max(1, len(test_ds))
 
 
 if __name__ == "__main__":

@@ -156,3 +156,15 @@ def test_config_builder_refuses_param_offload_below_stage_3(tmp_path):
     builder.controls["offload"].value = "param"
     assert "not written" in builder.result.value and "stage" in builder.result.value
     assert builder.write() is None
+
+
+def test_config_builder_text_shows_the_config_or_its_problems(tmp_path):
+    """A saved notebook keeps only the widget's text: it must carry what the live widget renders."""
+    from helpers.notebook.widgets import config_builder
+    builder = config_builder(tmp_path / "cfg.json", world_size=2, accelerator="cpu")
+    builder.controls["stage"].value = 3
+    text = repr(builder)
+    assert "stage=3" in text and '"stage": 3' in text and "problems" not in text
+    builder.controls["dtype"].value = "fp16"
+    text = repr(builder)
+    assert "not written, the config has problems" in text and "fp16 is enabled" in text

@@ -25,7 +25,7 @@ MIB = 2**20
 def comm_per_step(run) -> dict:
     """``{collective: {"calls", "bytes", "sent_bytes"}}`` per optimizer step of rank 0, plus ``"total_sent_bytes"``.
 
-    Needs a run of ``course/ddp_tuning.py`` (always counted, by a DDP communication hook) or of
+    Needs a run of ``course/ddp_tuning.py`` (counted by a DDP communication hook unless ``--no-count-comms``) or of
     ``course/ds_tuning.py --count-comms`` (DeepSpeed's comms_logger); ``sent_bytes`` is
     :func:`bytes_sent_per_rank` applied to each collective.
     """

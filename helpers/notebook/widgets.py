@@ -366,8 +366,16 @@ class ConfigBuilder(w.VBox):
         self._refresh(written=path)
         return path
 
-    def __repr__(self) -> str:  # plain text for nbval and terminals
-        return f"ConfigBuilder(file={self.path.value!r}, choices={self.choices()})"
+    def __repr__(self) -> str:
+        """What a saved notebook, nbval and a terminal show: the choices, then the config they make (or its
+        problems) -- the same content the live widget renders."""
+        import json
+        choices = ", ".join(f"{k}={v!r}" for k, v in self.choices().items())
+        try:
+            body = json.dumps(self.config(), indent=2)
+        except self._dsconfig.ConfigError as err:
+            body = "not written, the config has problems:\n" + "\n".join(f"  - {p}" for p in err.problems)
+        return f"ConfigBuilder for {self.path.value}\nchoices: {choices}\n{body}"
 
 
 def config_builder(path="runs/ds_config.json", world_size: int = 2, accelerator: str | None = None) -> ConfigBuilder:

@@ -4,8 +4,8 @@ Every checker returns a :class:`Verdict` and never raises on a wrong or malforme
 learner sees a message rather than a traceback. Hints name the idea that is missing; they never
 print the expected answer.
 
-The checkers of notebooks 01 and 02 live here; each later chapter has its own module beside this one
-(``helpers.notebook.exercises.<chapter>``), built on :class:`Verdict` and :func:`_never_raises`.
+The checkers of notebooks 01 and 02 live here; the other chapters' are in the modules beside this one, built on
+:class:`Verdict` and :func:`_never_raises`: ``env`` (notebook 00), ``zero`` (03 and 04), ``practice`` (05), ``faults`` (06).
 
 Example::
 

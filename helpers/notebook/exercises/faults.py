@@ -1,0 +1,211 @@
+"""Checkers for the exercises of notebook 06 (fault tolerance).
+
+Every checker returns a :class:`~helpers.notebook.exercises.Verdict` and never raises; hints name the idea that is
+missing and never print the expected answer.
+
+* :func:`check_resume_point` -- which snapshot a restart of ``course/elastic_cifar10.py`` resumes from, and how many
+  steps it trains again.
+* :func:`check_atomic_save` -- a ``save(state, path)`` that a crash mid-write cannot corrupt. It runs the learner's
+  function, once normally and once with ``torch.save`` failing half-way.
+
+Example::
+
+    from helpers.notebook.exercises import faults
+    faults.check_resume_point((15, 5), snapshot_every=5, fault_step=20)
+    # Correct: ...
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from pathlib import Path
+
+from . import Verdict, _never_raises, _whole_number
+
+# --- 06, exercise 1: where a restart resumes ---------------------------------------------------------------------
+
+
+def _pair(answer):
+    if isinstance(answer, (str, bytes)) or not hasattr(answer, "__len__") or len(answer) != 2:
+        return None
+    first = 0 if answer[0] is None else _whole_number(answer[0])
+    second = _whole_number(answer[1])
+    return None if first is None or second is None else (first, second)
+
+
+@_never_raises
+def check_resume_point(answer, *, snapshot_every: int, fault_step: int) -> Verdict:
+    """``(resume_step, redone)`` for ``course/elastic_cifar10.py``: the step of the snapshot the restart loads (0
+    or None: from scratch) and how many steps it trains again, when a rank dies right after step ``fault_step``.
+
+    The script, after each step: reports it, runs the fault injector (which may exit), then, on multiples of
+    ``--snapshot-every``, writes the snapshot. So a rank that dies after a multiple of ``snapshot_every`` never
+    wrote that step's snapshot.
+
+    Example::
+
+        >>> check_resume_point((5, 2), snapshot_every=5, fault_step=7)
+        Correct: the newest snapshot on disk is step 5's; the restart trains steps 6 to 7 again (2 steps).
+    """
+    got = _pair(answer)
+    if got is None:
+        return Verdict(False, f"expected two whole numbers (resume_step, redone), got {answer!r}.",
+                       "Answer with a tuple such as (40, 3).")
+    resume, redone = got
+    right = ((fault_step - 1) // snapshot_every) * snapshot_every if fault_step > 0 else 0
+    right_redone = fault_step - right
+    if (resume, redone) == (right, right_redone):
+        return Verdict(True, f"the newest snapshot on disk is step {right}'s; the restart trains steps {right + 1} "
+                             f"to {fault_step} again ({right_redone} step{'s' if right_redone != 1 else ''}).")
+    if resume != right:
+        wrong = f"the restart does not resume from step {resume}."
+        if resume == fault_step and fault_step % snapshot_every == 0:
+            return Verdict(False, wrong, "Look at the order of the lines after each step in the script's loop: "
+                                         "does the fault injector run before or after that step's snapshot is "
+                                         "written?")
+        if resume >= fault_step:
+            return Verdict(False, wrong, "A restart starts new processes with empty memory: it can only load a "
+                                         "snapshot written before the rank died.")
+        if resume % snapshot_every:
+            return Verdict(False, wrong, "Snapshots are written only on multiples of --snapshot-every.")
+        if resume < right:
+            return Verdict(False, wrong, "Every rank loads the NEWEST snapshot on disk (the script keeps two); is "
+                                         "there a later one than that?")
+        return Verdict(False, wrong, "Find the last step, at or before the fault, whose snapshot was written.")
+    if redone == fault_step - resume - 1:
+        return Verdict(False, f"right snapshot, but not {redone} steps redone.",
+                       "The step the rank finished just before it died is lost too: count every step after the "
+                       "snapshot's, up to and including the fault step.")
+    return Verdict(False, f"right snapshot, but not {redone} steps redone.",
+                   "The snapshot holds the state after its step; everything after it, up to the fault, is trained "
+                   "again.")
+
+
+# --- 06, exercise 2: an atomic save ------------------------------------------------------------------------------
+
+
+class _Crash(RuntimeError):
+    """What the patched ``torch.save`` raises half-way through a write."""
+
+
+@_never_raises
+def check_atomic_save(save) -> Verdict:
+    """Is ``save(state, path)`` crash-safe? Runs it three times in a temporary folder:
+
+    1. a normal save must produce a file ``torch.load`` reads back;
+    2. a second save with ``torch.save`` failing half-way (after writing half the bytes) must leave the file of
+       step 1 intact at ``path``, and no half-written file under the snapshot's name;
+    3. the data must reach the disk before the rename (``os.fsync`` called before ``os.replace``/``os.rename``),
+       and the temporary file must be in the same folder (a rename across filesystems is a copy).
+
+    Example::
+
+        >>> import torch
+        >>> print(check_atomic_save(lambda state, path: torch.save(state, path)).message)
+        a crash half-way through the second save left a corrupt file where the first one was.
+    """
+    import torch
+
+    if not callable(save):
+        return Verdict(False, f"expected a function save(state, path), got {type(save).__name__}.",
+                       "Define the function in the answer cell and pass it, without calling it.")
+    real_save, real_replace, real_rename, real_fsync = torch.save, os.replace, os.rename, os.fsync
+    log: list = []
+
+    def crashing_save(obj, f, *args, **kwargs):
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        half = buf.getvalue()[: len(buf.getvalue()) // 2]
+        if hasattr(f, "write"):
+            f.write(half)
+            log.append(("save", getattr(f, "name", None)))
+        else:
+            Path(f).write_bytes(half)
+            log.append(("save", str(f)))
+        raise _Crash("simulated crash in the middle of torch.save")
+
+    def recording_save(obj, f, *args, **kwargs):
+        log.append(("save", getattr(f, "name", None) if hasattr(f, "write") else str(f)))
+        return real_save(obj, f, *args, **kwargs)
+
+    def replace(src, dst, *a, **k):
+        log.append(("rename", str(src), str(dst)))
+        return real_replace(src, dst, *a, **k)
+
+    def rename(src, dst, *a, **k):
+        log.append(("rename", str(src), str(dst)))
+        return real_rename(src, dst, *a, **k)
+
+    def fsync(fd):
+        log.append(("fsync", fd))
+        return real_fsync(fd)
+
+    with tempfile.TemporaryDirectory(prefix="atomic_save_check_") as tmp:
+        path = Path(tmp) / "snapshots" / "snapshot_00000010.pt"
+        path.parent.mkdir()
+        first, second = {"step": 10, "w": torch.arange(64.0)}, {"step": 20, "w": -torch.arange(64.0)}
+        try:
+            torch.save, os.replace, os.rename, os.fsync = recording_save, replace, rename, fsync
+            try:
+                save(first, str(path))
+            except Exception as e:  # noqa: BLE001 - the learner's code failed: say so
+                return Verdict(False, f"a normal save raised {type(e).__name__}: {e}",
+                               "Run your function once by hand on a small dict and a path, and read the error.")
+            try:
+                back = torch.load(path, weights_only=True)
+            except Exception:  # noqa: BLE001
+                return Verdict(False, "after a normal save, there is no readable file at the path.",
+                               "Whatever happens in between, the snapshot must end up under the name it was asked "
+                               "for.")
+            if back.get("step") != 10 or not torch.equal(back["w"], first["w"]):
+                return Verdict(False, "the file at the path does not hold the state that was saved.",
+                               "Save the state you are given.")
+            normal = list(log)
+            log.clear()
+            torch.save = crashing_save
+            with contextlib.suppress(_Crash):
+                save(second, str(path))
+        finally:
+            torch.save, os.replace, os.rename, os.fsync = real_save, real_replace, real_rename, real_fsync
+        try:
+            survived = torch.load(path, weights_only=True)
+            intact = survived.get("step") == 10 and torch.equal(survived["w"], first["w"])
+        except Exception:  # noqa: BLE001 - a torn file is exactly what this detects
+            intact = False
+        if not intact:
+            return Verdict(False, "a crash half-way through the second save left a corrupt file where the first "
+                                  "one was.",
+                           "Writing straight to the final name destroys the old file before the new one is "
+                           "complete. Write somewhere else first, and only put the finished file in place, in one "
+                           "step that cannot be half done.")
+        renames = [e for e in normal if e[0] == "rename"]
+        saves = [e for e in normal if e[0] == "save"]
+        if not renames:
+            return Verdict(False, "the file survived, but the final name is never produced by a rename.",
+                           "Copying the finished file into place is not atomic either: a crash during the copy "
+                           "tears it. Which os call moves a file to a new name in one step?")
+        target = renames[-1]
+        if Path(target[2]).resolve() != path.resolve():
+            return Verdict(False, "the last rename does not produce the snapshot's name.",
+                           "Rename the finished temporary file onto the path you were given.")
+        if Path(target[1]).resolve().parent != path.resolve().parent:
+            return Verdict(False, "the temporary file is in another folder than the snapshot.",
+                           "A rename is atomic only within one filesystem; across them it becomes a copy. Put the "
+                           "temporary file next to the target.")
+        if saves and saves[0][1] is not None and Path(saves[0][1]).resolve() == path.resolve():
+            return Verdict(False, "the state is first written to the snapshot's own name.",
+                           "Write the new state under another name first.")
+        rename_at = normal.index(target)
+        if not any(e[0] == "fsync" for e in normal[:rename_at]):
+            return Verdict(False, "the file is renamed into place without an fsync first.",
+                           "After a power loss the rename can be on disk while the data is still in the page "
+                           "cache: flush the file and fsync it before renaming.")
+        leftovers = [p.name for p in path.parent.iterdir() if p.name != path.name]
+        if leftovers:
+            return Verdict(False, f"the failed save left {len(leftovers)} other file(s) in the folder.",
+                           "Not fatal, but a folder fills up with torn temporaries: remove the temporary file when "
+                           "the write fails (try/except, then re-raise).")
+    return Verdict(True, "a crash mid-write leaves the previous file intact; the data is fsynced, then renamed "
+                         "into place within its folder.")

@@ -1,0 +1,312 @@
+"""helpers.notebook.exercises.practice and .faults (notebooks 05 and 06): right answers pass, each kind of wrong answer gets its
+own hint, nothing raises, and no hint gives the answer away."""
+import contextlib
+import doctest
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.notebook.exercises import Verdict, faults, practice
+from helpers.notebook.exercises.faults import check_atomic_save, check_resume_point
+from helpers.notebook.exercises.practice import check_accumulation_step, check_warmup_lr
+from helpers.rank.checkpoint import save_atomic
+
+GARBAGE = ["twelve", None, [1, 2, 3], {"a": 1}, object(), float("nan"), True]
+
+
+def test_docstring_examples_hold():
+    results = [doctest.testmod(m, optionflags=doctest.ELLIPSIS) for m in (practice, faults)]
+    assert sum(r.attempted for r in results) >= 4 and sum(r.failed for r in results) == 0
+
+
+# --- check_accumulation_step -------------------------------------------------------------------------------------
+
+
+def right_step(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    optimizer.zero_grad(set_to_none=True)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == n - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = F.cross_entropy(model(x), y) / n
+            loss.backward()
+    optimizer.step()
+
+
+def right_step_if_else(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    optimizer.zero_grad()
+    for x, y in micro_batches[:-1]:
+        with model.no_sync():
+            (F.cross_entropy(model(x), y) / n).backward()
+    x, y = micro_batches[-1]
+    (F.cross_entropy(model(x), y) / n).backward()
+    optimizer.step()
+
+
+def no_sync_missing(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (F.cross_entropy(model(x), y) / n).backward()
+    optimizer.step()
+
+
+def not_divided(model, optimizer, micro_batches):
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
+            F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def both_bugs(model, optimizer, micro_batches):
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def all_in_no_sync(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    optimizer.zero_grad()
+    with model.no_sync():
+        for x, y in micro_batches:
+            (F.cross_entropy(model(x), y) / n).backward()
+    optimizer.step()
+
+
+def sync_first(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == 0 else model.no_sync():
+            (F.cross_entropy(model(x), y) / n).backward()
+    optimizer.step()
+
+
+def step_every_micro(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    for x, y in micro_batches:
+        optimizer.zero_grad()
+        (F.cross_entropy(model(x), y) / n).backward()
+        optimizer.step()
+
+
+def zero_inside(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        optimizer.zero_grad()
+        with contextlib.nullcontext() if i == n - 1 else model.no_sync():
+            (F.cross_entropy(model(x), y) / n).backward()
+    optimizer.step()
+
+
+def no_step(model, optimizer, micro_batches):
+    for x, y in micro_batches:
+        F.cross_entropy(model(x), y).backward()
+
+
+def divided_twice(model, optimizer, micro_batches):
+    n = len(micro_batches)
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):
+        with contextlib.nullcontext() if i == n - 1 else model.no_sync():
+            (F.cross_entropy(model(x), y) / n / n).backward()
+    optimizer.step()
+
+
+def raises(model, optimizer, micro_batches):
+    raise ValueError("oops")
+
+
+@pytest.mark.parametrize("fn", [right_step, right_step_if_else])
+def test_accumulation_right_answers_pass(fn):
+    v = check_accumulation_step(fn)
+    assert v.ok, v
+
+
+@pytest.mark.parametrize("fn, message, hint", [
+    (no_sync_missing, "all 4 backward passes all-reduce", "context manager"),
+    (not_divided, "4.0x the big batch's", "scaled by"),
+    (both_bugs, "4.0x the big batch's", "scaled by"),  # correctness first: the scale, then the communication
+    (all_in_no_sync, "no backward pass all-reduces", "drift apart"),
+    (sync_first, "not the last one", "must be the last"),
+    (step_every_micro, "ran 4 times", "step once"),
+    (zero_inside, "zeroed between micro batches", "zero once"),
+    (no_step, "never ran", "step once"),
+    (divided_twice, "1/4 of the big batch's", "scaled twice"),
+    (raises, "raised ValueError: oops", "read the error"),
+])
+def test_accumulation_each_mistake_gets_its_own_hint(fn, message, hint):
+    v = check_accumulation_step(fn)
+    assert not v.ok and message in v.message and hint in v.hint, v
+
+
+@pytest.mark.parametrize("answer", GARBAGE)
+def test_accumulation_garbage_gets_a_message(answer):
+    v = check_accumulation_step(answer)
+    assert isinstance(v, Verdict) and not v.ok and v.message
+
+
+def test_accumulation_hints_never_show_the_fix():
+    for fn in (no_sync_missing, not_divided, both_bugs, all_in_no_sync):
+        v = check_accumulation_step(fn)
+        assert "no_sync()" not in v.hint or "outside" in v.hint  # names the idea, not the line to write
+        assert "/ n" not in str(v) and "/ len(" not in str(v)
+
+
+# --- check_warmup_lr -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step, right", [(0, 0.0), (1, 0.0), (2, 0.001), (11, 0.01), (50, 0.01), (6, 0.005)])
+def test_warmup_right_answers_pass(step, right):
+    assert check_warmup_lr(right, step=step, lr=0.01, warmup_steps=10).ok
+    assert check_warmup_lr(torch.tensor(right), step=step, lr=0.01, warmup_steps=10).ok
+
+
+@pytest.mark.parametrize("answer, hint", [(0.006, "LambdaLR"), (0.01, "full rate"), (0.004, "One step off"),
+                                          (0.01 * 0.77815, "log schedule"), (0.0123, "ramp")])
+def test_warmup_each_mistake_gets_its_own_hint(answer, hint):
+    v = check_warmup_lr(answer, step=6, lr=0.01, warmup_steps=10)
+    assert not v.ok and hint in v.hint, v
+    assert "0.005" not in str(v)
+
+
+@pytest.mark.parametrize("answer", GARBAGE)
+def test_warmup_garbage_gets_a_message(answer):
+    v = check_warmup_lr(answer, step=6, lr=0.01, warmup_steps=10)
+    assert isinstance(v, Verdict) and not v.ok and v.message
+
+
+# --- check_resume_point ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every, fault, right", [(5, 7, (5, 2)), (5, 20, (15, 5)), (20, 61, (60, 1)),
+                                                 (5, 3, (0, 3)), (5, 5, (0, 5))])
+def test_resume_right_answers_pass(every, fault, right):
+    assert check_resume_point(right, snapshot_every=every, fault_step=fault).ok
+    assert check_resume_point(list(right), snapshot_every=every, fault_step=fault).ok
+
+
+def test_resume_from_scratch_may_be_none():
+    assert check_resume_point((None, 3), snapshot_every=5, fault_step=3).ok
+
+
+@pytest.mark.parametrize("answer, hint", [((20, 0), "before or after"), ((25, 0), "empty memory"),
+                                          ((12, 8), "multiples"), ((10, 10), "NEWEST"),
+                                          ((15, 4), "including the fault step"), ((15, 6), "trained again")])
+def test_resume_each_mistake_gets_its_own_hint(answer, hint):
+    v = check_resume_point(answer, snapshot_every=5, fault_step=20)
+    assert not v.ok and hint in v.hint, v
+    assert "15" not in v.hint
+
+
+@pytest.mark.parametrize("answer", GARBAGE + [(1, 2, 3), ("a", "b")])
+def test_resume_garbage_gets_a_message(answer):
+    v = check_resume_point(answer, snapshot_every=5, fault_step=20)
+    assert isinstance(v, Verdict) and not v.ok and v.message
+
+
+# --- check_atomic_save ---------------------------------------------------------------------------------------------
+
+
+def atomic(state, path):
+    tmp = Path(path).with_name("." + Path(path).name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def direct(state, path):
+    torch.save(state, path)
+
+
+def no_fsync(state, path):
+    tmp = str(path) + ".tmp"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def other_folder(state, path):
+    import tempfile
+    tmp = os.path.join(tempfile.gettempdir(), "practice_other_folder.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def copy_into_place(state, path):
+    import shutil
+    tmp = str(path) + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.copyfile(tmp, path)
+    os.unlink(tmp)
+
+
+def leaves_temp(state, path):
+    tmp = str(path) + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def saves_nothing(state, path):
+    pass
+
+
+@pytest.mark.parametrize("fn", [atomic, save_atomic])
+def test_atomic_right_answers_pass(fn):
+    v = check_atomic_save(fn)
+    assert v.ok, v
+
+
+@pytest.mark.parametrize("fn, message, hint", [
+    (direct, "corrupt file", "Write somewhere else first"),
+    (no_fsync, "without an fsync", "fsync it before renaming"),
+    (other_folder, "another folder", "next to the target"),
+    (copy_into_place, "never produced by a rename", "Which os call"),
+    (leaves_temp, "other file(s)", "remove the temporary file"),
+    (saves_nothing, "no readable file", "under the name"),
+])
+def test_atomic_each_mistake_gets_its_own_hint(fn, message, hint):
+    v = check_atomic_save(fn)
+    assert not v.ok and message in v.message and hint in v.hint, v
+    assert "os.replace" not in v.hint
+
+
+def test_atomic_restores_the_patched_functions():
+    before = (torch.save, os.replace, os.rename, os.fsync)
+    check_atomic_save(direct)
+    check_atomic_save(atomic)
+    assert (torch.save, os.replace, os.rename, os.fsync) == before
+
+
+@pytest.mark.parametrize("answer", GARBAGE)
+def test_atomic_garbage_gets_a_message(answer):
+    v = check_atomic_save(answer)
+    assert isinstance(v, Verdict) and not v.ok and v.message
