@@ -1,4 +1,6 @@
 """The committed notebooks are in a state nbval can validate and an instructor can trust."""
+import re
+
 import nbformat
 import pytest
 
@@ -61,3 +63,32 @@ def test_notebook_has_parameters_cell_and_course_kernel(chapter):
     recorded = nb["metadata"]["course"]["environment"]
     assert recorded["notebook"] == chapter.file and recorded["status"] == "ok", "outputs come from a clean regen"
     assert {"torch", "deepspeed", "papermill"} <= set(recorded["packages"])
+
+
+# An absolute path of the machine that ran the regen: under a root directory that holds checkouts, homes or temporary
+# files (URLs, "//host/...", and relative paths such as runs/x or course/y do not match).
+MACHINE_PATH = re.compile(r"(?<![\w.:/~])/(?:work|home|root|tmp|Users|opt|usr|srv|mnt|var|private)/[\w.\-/]+")
+
+
+def _output_texts(nb):
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                yield i, out.get("text", "")
+            elif out.get("output_type") == "error":
+                yield i, "\n".join(out.get("traceback", []))
+            for kind, value in out.get("data", {}).items():
+                if kind.startswith("text/"):
+                    yield i, "".join(value) if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_committed_outputs_hold_no_absolute_path(chapter):
+    found = [(i, m) for i, text in _output_texts(_load(chapter)) for m in MACHINE_PATH.findall(text)]
+    assert not found, f"machine paths in committed outputs (cell, path): {found[:5]}"
+
+
+def test_machine_path_pattern_finds_paths_and_spares_urls():
+    assert MACHINE_PATH.findall("saved to /work/main/runs/x.pt and /home/me/.venv/lib") == \
+        ["/work/main/runs/x.pt", "/home/me/.venv/lib"]
+    assert not MACHINE_PATH.findall("see https://pytorch.org/docs/stable/x.html, runs/02/x, ~/data, course/a.py")
