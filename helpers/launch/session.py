@@ -27,7 +27,11 @@ PROGRESS_ENV = "HELPERS_PROGRESS"
 def course_relative(text: str) -> str:
     """``text`` with the course root's absolute path dropped from the paths in it: what a cell shows a learner is
     the same on every machine (``runs/x/rank0.log``, ``course/ddp_cifar10.py``). The log files keep the full text."""
-    return text.replace(f"{PROJECT_ROOT}{os.sep}", "")
+    return _UNDER_ROOT.sub("", text)
+
+
+# the root where a path starts, not inside a longer path that happens to contain it
+_UNDER_ROOT = re.compile(r"(?<![\w./-])" + re.escape(f"{PROJECT_ROOT}{os.sep}"))
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
