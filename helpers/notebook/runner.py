@@ -67,14 +67,10 @@ def select(chapters: list[Chapter], wanted: list[str] | None) -> list[Chapter]:
     return picked
 
 
-def finish_in_place(nb_path: Path, record: dict) -> None:
+def strip_volatile(nb) -> None:
     """Remove what changes on every run without meaning anything (papermill timings, execution stamps) and the
-    cell papermill injected with this run's parameters; keep the environment that produced the outputs in the
-    notebook's own metadata (``metadata.course.environment``), where a reader finds it and a file browser does not
-    show it as a second file."""
-    nb = nbformat.read(nb_path, as_version=4)
+    cell papermill injected with this run's parameters, from an executed notebook (an nbformat node)."""
     nb.metadata.pop("papermill", None)
-    nb.metadata.setdefault("course", {})["environment"] = record
     # the committed notebook keeps its own defaults ("auto" resolves on the reader's machine), not the
     # values this machine's profile injected
     nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
@@ -83,13 +79,6 @@ def finish_in_place(nb_path: Path, record: dict) -> None:
         cell.metadata.pop("execution", None)
         if cell.metadata.get("tags") == []:
             cell.metadata.pop("tags")
-    nbformat.write(nb, nb_path)
-
-
-def _record_environment(nb_path: Path, record: dict) -> None:
-    nb = nbformat.read(nb_path, as_version=4)
-    nb.metadata.setdefault("course", {})["environment"] = record
-    nbformat.write(nb, nb_path)
 
 
 def environment_record(profile: str) -> dict:
@@ -144,25 +133,26 @@ def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overr
         except Exception as exc:  # papermill raises PapermillExecutionError with the failing cell
             status, error = "FAILED", str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
         seconds = time.monotonic() - start
-        verdicts = checks_of(out) if out.exists() else None
+        executed = nbformat.read(out, as_version=4) if out.exists() else None
+        verdicts = checks.tally(executed) if executed is not None else None
         if status == "ok" and verdicts is not None and verdicts.failed:
             status = "FAILED"
             error = f"{len(verdicts.failed)} check(s) printed False, first: {verdicts.failed[0]}"
         if status == "ok" and seconds > ch.timeout_s:
             status = "SLOW"
             error = f"took {seconds:.0f}s, syllabus allows {ch.timeout_s}s"
-        record = environment_record(profile)
-        record.update({"notebook": ch.file, "status": status, "seconds": round(seconds, 1)})
-        if out.exists():
-            finish_in_place(out, record) if in_place else _record_environment(out, record)
+        if executed is not None:
+            if in_place:
+                strip_volatile(executed)
+            # what produced the outputs, in the notebook's own metadata: a reader finds it there, and a file
+            # browser does not show it as a second file
+            record = environment_record(profile)
+            record.update({"notebook": ch.file, "status": status, "seconds": round(seconds, 1)})
+            executed.metadata.setdefault("course", {})["environment"] = record
+            nbformat.write(executed, out)
         rows.append({"id": ch.id, "notebook": ch.file, "status": status, "seconds": seconds, "error": error,
                      "checks": str(verdicts) if verdicts is not None else "-", "output": str(out)})
     return rows
-
-
-def checks_of(nb_path: Path) -> checks.Tally:
-    """The check lines of an executed notebook: passed/total, and the claims that printed False."""
-    return checks.tally(nbformat.read(nb_path, as_version=4))
 
 
 def summary_table(rows: list[dict]) -> str:
