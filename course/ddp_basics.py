@@ -38,8 +38,8 @@ def main() -> int:
 
         print(f"RANK={env_rank} LOCAL_RANK={local_rank} WORLD_SIZE={world_size} "
               f"LOCAL_WORLD_SIZE={local_world_size} | dist.get_rank()={rank} "
-              f"dist.get_world_size()={world} match={rank_matches} | backend={backend} device={device} "
-              f"pid={os.getpid()} host={socket.gethostname()}", flush=True)
+              f"dist.get_world_size()={world} match={rank_matches} | backend={backend} device={device}",
+              flush=True)  # pid and hostname go into the result below: they differ on every run
         Reporter().result(env_rank=env_rank, local_rank=local_rank, world_size=world_size,
                           local_world_size=local_world_size, master_addr_set=master_addr_set,
                           master_port_set=master_port_set, dist_rank=rank, dist_world_size=world,
