@@ -31,7 +31,7 @@ unit: setup
 	$(PY) -m pytest tests -q
 
 nbtest: setup          # no live progress bars: the committed outputs have none (helpers/launch/session.py)
-	HELPERS_PROGRESS=off $(PY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider
+	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider
 
 lab: setup             ## JupyterLab on the course
 	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_environment_check.ipynb

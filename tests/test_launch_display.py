@@ -1,5 +1,6 @@
 """What a cell shows of a launch is the same on every machine: paths under the course root appear relative to it
-(the log files keep them whole), and no progress bar is drawn when HELPERS_PROGRESS=off (saved outputs)."""
+(the log files keep them whole); in a saved output (HELPERS_OUTPUT=saved) no progress bar is drawn and the ranks'
+lines are grouped by rank, whatever order they arrived in."""
 import pytest
 
 from helpers import launch
@@ -35,10 +36,27 @@ def test_a_failure_message_shows_paths_relative_to_the_course_root(runs_root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting, drawn", [("off", False), ("on", True)])
-def test_progress_bar_is_drawn_unless_switched_off(runs_root, monkeypatch, capsys, setting, drawn):
-    monkeypatch.setenv("HELPERS_PROGRESS", setting)
+@pytest.mark.parametrize("setting, drawn", [("saved", False), ("live", True)])
+def test_progress_bar_is_drawn_unless_the_output_is_saved(runs_root, monkeypatch, capsys, setting, drawn):
+    monkeypatch.setenv("HELPERS_OUTPUT", setting)
     launch.torchrun("tests/scripts/steps.py", nproc=2, env={"STEPS": "5"}, show="rank0", timeout=120,
                     stall_timeout=60)
     captured = capsys.readouterr()
     assert ("rank 0 steps" in captured.err + captured.out) == drawn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["saved", "live"])
+def test_a_saved_output_groups_the_ranks_lines_by_rank(runs_root, monkeypatch, capsys, setting):
+    # rank 1 prints first, then rank 0, then rank 1 again (tests/scripts/interleave.py orders them with barriers):
+    # live, that is the order shown; saved, rank 0's lines come first, then rank 1's, then the launcher's
+    monkeypatch.setenv("HELPERS_OUTPUT", setting)
+    launch.torchrun("tests/scripts/interleave.py", nproc=2, show="all", timeout=120, stall_timeout=60)
+    shown = [l for l in capsys.readouterr().out.splitlines() if "interleave" in l or l.startswith("[launcher]")]
+    ranks = [l.split()[0] for l in shown if l.startswith("[rank")]
+    if setting == "saved":
+        assert ranks == ["[rank0]", "[rank0]", "[rank1]", "[rank1]", "[rank1]"], shown
+        last_rank_line = max(i for i, l in enumerate(shown) if l.startswith("[rank"))
+        assert all(i > last_rank_line for i, l in enumerate(shown) if l.startswith("[launcher]")), shown
+    else:
+        assert ranks == ["[rank1]", "[rank0]", "[rank0]", "[rank1]", "[rank1]"], shown

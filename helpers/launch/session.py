@@ -19,9 +19,15 @@ import psutil
 from ..rank import metrics as _metrics
 from .spec import PROJECT_ROOT
 
-# "off": no live progress bar. The course runner and `make nbtest` set it: a bar saved in a static output shows the
-# state it was drawn in (0%), which is noise to a reader and to nbval; in JupyterLab the bar is live as usual.
-PROGRESS_ENV = "HELPERS_PROGRESS"
+# "saved": the output is being saved into a notebook (the course runner and `make nbtest` set it), so it must read
+# the same on every run: no progress bar (a saved bar shows the state it was drawn in, 0%), and with show="all" each
+# source's lines together, rank 0's, then rank 1's, ..., then the launcher's, instead of in the order they happened
+# to arrive. Anything else ("live", the default in JupyterLab): a live bar and lines as they come.
+OUTPUT_ENV = "HELPERS_OUTPUT"
+
+
+def _saved_output() -> bool:
+    return os.environ.get(OUTPUT_ENV) == "saved"
 
 
 def course_relative(text: str) -> str:
@@ -99,6 +105,8 @@ class _Session:
         self.first_traceback: dict[int, float] = {}
         self.launcher_tail: list[str] = []
         self.lines: queue.Queue = queue.Queue()
+        # saved output with several sources shown: lines held per source and printed grouped by flush_shown()
+        self.held: dict[int | str, list[str]] | None = {} if show == "all" and _saved_output() else None
         self.metrics_tail = _FileTail(run_dir / _metrics.METRICS_FILE)
         self.progress = None
         self.total_steps = None
@@ -138,18 +146,20 @@ class _Session:
         if "Traceback (most recent call last)" in text:
             self.first_traceback.setdefault(rank, time.monotonic())
         if self.show == "all" or (self.show == "rank0" and rank == 0):
-            self._print(f"[rank{rank}] {text}")
+            self._print(f"[rank{rank}] {text}", source=rank)
 
     def _launcher_line(self, text: str) -> None:
         self.launcher_log.write(text + "\n")
         self.launcher_tail.append(text)
         del self.launcher_tail[:-80]
         if self.show == "all":
-            self._print(f"[launcher] {text}")
+            self._print(f"[launcher] {text}", source="launcher")
 
-    def _print(self, text: str) -> None:
+    def _print(self, text: str, source: int | str | None = None) -> None:
         text = course_relative(text)
-        if self.progress is not None:
+        if self.held is not None and source is not None:
+            self.held.setdefault(source, []).append(text)
+        elif self.progress is not None:
             self.progress.write(text)
         else:
             print(text, flush=True)
@@ -212,7 +222,7 @@ class _Session:
                 self.progress.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
 
     def _open_progress(self) -> None:
-        if self.progress is not None or not self.total_steps or os.environ.get(PROGRESS_ENV) == "off":
+        if self.progress is not None or not self.total_steps or _saved_output():
             return
         try:
             from tqdm.auto import tqdm
@@ -315,7 +325,17 @@ class _Session:
         kill_tree([p for pid, p in self.known.items() if pid != self.proc.pid])
         self.proc.wait()
 
+    def flush_shown(self) -> None:
+        """Print the lines held for a saved output: each rank's in rank order, then the launcher's."""
+        if not self.held:
+            return
+        held, self.held = self.held, None
+        for source in sorted(held, key=lambda s: (isinstance(s, str), s if isinstance(s, int) else 0)):
+            for text in held[source]:
+                self._print(text)
+
     def close(self) -> None:
+        self.flush_shown()
         if self.progress is not None:
             self.progress.close()
             self.progress = None

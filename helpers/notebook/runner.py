@@ -67,16 +67,28 @@ def select(chapters: list[Chapter], wanted: list[str] | None) -> list[Chapter]:
     return picked
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def strip_volatile(nb) -> None:
     """Remove what changes on every run without meaning anything (papermill timings, execution stamps) and the
     cell papermill injected with this run's parameters, from an executed notebook (an nbformat node)."""
     nb.metadata.pop("papermill", None)
+    # Widget state: new random model ids on every run (or a stale copy of an earlier run's progress bars), and
+    # JupyterLab 4 does not render saved widget state anyway ("model not found"). Without it, an output that was a
+    # widget shows its text fallback (the ConfigBuilder's repr: its choices and the config they make); running the
+    # cell brings the live widget back.
+    nb.metadata.pop("widgets", None)
     # the committed notebook keeps its own defaults ("auto" resolves on the reader's machine), not the
     # values this machine's profile injected
     nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
     for cell in nb.cells:
         cell.metadata.pop("papermill", None)
         cell.metadata.pop("execution", None)
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_VIEW in data and len(data) > 1:
+                del data[WIDGET_VIEW]
         if cell.metadata.get("tags") == []:
             cell.metadata.pop("tags")
 
@@ -110,8 +122,8 @@ def execute(chapter: Chapter, output: Path, profile: str, overrides: dict, kerne
 
     params = dict(chapter.parameters.get(profile, {}))
     params.update(overrides)
-    # the kernel inherits this: no live progress bars in an output that is saved (helpers.launch.session)
-    os.environ.setdefault("HELPERS_PROGRESS", "off")
+    # the kernel inherits this: launches print what a saved output should hold (helpers.launch.session)
+    os.environ.setdefault("HELPERS_OUTPUT", "saved")
     output.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(str(chapter.path), str(output), parameters=params, kernel_name=kernel,
                         cwd=str(NOTEBOOKS), execution_timeout=cell_timeout, progress_bar=False,
