@@ -4,7 +4,7 @@ import re
 import nbformat
 import pytest
 
-from helpers.notebook.runner import NOTEBOOKS, syllabus
+from helpers.notebook.runner import NOTEBOOKS, WIDGET_VIEW, strip_volatile, syllabus
 
 _, CHAPTERS = syllabus()
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
@@ -92,3 +92,24 @@ def test_machine_path_pattern_finds_paths_and_spares_urls():
     assert MACHINE_PATH.findall("saved to /work/main/runs/x.pt and /home/me/.venv/lib") == \
         ["/work/main/runs/x.pt", "/home/me/.venv/lib"]
     assert not MACHINE_PATH.findall("see https://pytorch.org/docs/stable/x.html, runs/02/x, ~/data, course/a.py")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_committed_notebook_stores_no_widget_state(chapter):
+    # widget model ids are new on every run: stored, they rewrite the notebook on every regen for nothing
+    nb = _load(chapter)
+    assert "widgets" not in nb.metadata
+    views = [i for i, c in enumerate(nb.cells) for o in c.get("outputs", []) if WIDGET_VIEW in o.get("data", {})]
+    assert not views, f"cells whose output points at a widget model that is not stored: {views}"
+
+
+def test_strip_volatile_keeps_a_widgets_text_and_drops_its_model():
+    nb = nbformat.v4.new_notebook(metadata={"widgets": {"state": {"abc": {}}}, "papermill": {"duration": 1.0}})
+    cell = nbformat.v4.new_code_cell("builder", metadata={"execution": {"iopub.status.idle": "now"}, "tags": []})
+    cell.outputs = [nbformat.v4.new_output("display_data", data={WIDGET_VIEW: {"model_id": "abc"},
+                                                                 "text/plain": "ConfigBuilder(stage=2)"})]
+    nb.cells = [cell]
+    strip_volatile(nb)
+    assert "widgets" not in nb.metadata and "papermill" not in nb.metadata
+    assert nb.cells[0].outputs[0]["data"] == {"text/plain": "ConfigBuilder(stage=2)"}
+    assert nb.cells[0].metadata == {}

@@ -33,3 +33,15 @@ def test_a_flipped_check_and_a_changed_compared_line_are_listed():
     found = regen_diff.changes(old, new, subs)
     assert found["checks"] == ["- loss fell: True", "+ loss fell: False"]
     assert [i for i, _ in found["cells"]] == [0] and "+[check] loss fell: False" in found["cells"][0][1]
+
+
+def test_churn_counts_what_a_regen_rewrote_by_kind():
+    old = _nb("[check] loss fell: True", "1.2 s", "pid 123\nrank0 line\n")
+    new = _nb("[check] loss fell: True", "3.4 s", "pid 456\nrank0 line\n")
+    new.cells[1].outputs.append(nbformat.v4.new_output("display_data", data={"image/png": "AAAA"}))
+    new.cells[0].metadata["execution"] = {"started": "today"}
+    moved = regen_diff.churn(old, new)
+    # a timing in a compared cell: one line out, one in; the ignored cell's pid line likewise; one image added
+    assert moved["compared"] == 2 and moved["ignored"] == 2 and moved["images"] == 1
+    assert moved["metadata"] > 0 and moved["source"] == 0
+    assert sum(regen_diff.churn(old, copy.deepcopy(old)).values()) == 0

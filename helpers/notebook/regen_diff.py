@@ -12,8 +12,10 @@ lists nothing but the count of cells whose ignored output or images moved.
 from __future__ import annotations
 
 import argparse
+import collections
 import configparser
 import difflib
+import json
 import re
 import subprocess
 import sys
@@ -71,6 +73,46 @@ def changes(old, new, subs) -> dict:
     return out
 
 
+def _changed_lines(a: str, b: str) -> int:
+    return sum(1 for l in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+               if l.startswith(("+", "-")) and not l.startswith(("+++", "---")))
+
+
+def _output_text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        for kind, value in out.get("data", {}).items():
+            if not kind.startswith("image/"):
+                parts.append(value if isinstance(value, str) else json.dumps(value, indent=1, sort_keys=True))
+    return "".join(parts)
+
+
+def _images(cell) -> list[str]:
+    return [v for out in cell.get("outputs", []) for k, v in out.get("data", {}).items() if k.startswith("image/")]
+
+
+def churn(old, new) -> collections.Counter:
+    """How much a regen rewrote, the way ``git diff`` would count it, by kind: changed lines of ``source``, of
+    ``metadata`` (cells' and the notebook's), of the text in ``compared`` outputs (before nbval's substitutions, so
+    a changed timing counts) and in ``ignored`` outputs, and the number of changed ``images``. A regen with no
+    change to the course should change no source or metadata, and compared outputs only where nbval masks them."""
+    count = collections.Counter()
+    dump = lambda m: json.dumps(m, indent=1, sort_keys=True)  # noqa: E731
+    count["metadata"] += _changed_lines(dump(old.metadata), dump(new.metadata))
+    for a, b in zip(old.cells, new.cells):
+        count["source"] += _changed_lines(a.source, b.source)
+        count["metadata"] += _changed_lines(dump(a.metadata), dump(b.metadata))
+        ignored = any(t in b.metadata.get("tags", []) for t in IGNORE_TAGS)
+        count["ignored" if ignored else "compared"] += _changed_lines(_output_text(a), _output_text(b))
+        ia, ib = _images(a), _images(b)
+        count["images"] += sum(x != y for x, y in zip(ia, ib)) + abs(len(ia) - len(ib))
+    for cell in old.cells[len(new.cells):] + new.cells[len(old.cells):]:
+        count["source"] += len(cell.source.splitlines())
+    return count
+
+
 def committed(path: Path, base: str):
     rel = path.resolve().relative_to(ROOT)
     text = subprocess.run(["git", "show", f"{base}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -91,10 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.CalledProcessError:
             print(f"{ch.file}: not in {args.base}")
             continue
-        found = changes(old, nbformat.read(ch.path, as_version=4), subs)
+        new = nbformat.read(ch.path, as_version=4)
+        found = changes(old, new, subs)
         meaningful += len(found["checks"]) + len(found["cells"])
         print(f"{ch.file}: {len(found['checks'])} check line(s), {len(found['cells'])} compared cell(s) changed; "
               f"{found['noise']} cell(s) changed only in timings, images or ignored output")
+        moved = churn(old, new)
+        print("    rewritten: " + ", ".join(f"{moved[k]} {what}" for k, what in (
+            ("compared", "lines of compared output (timings included)"), ("ignored", "of ignored output"),
+            ("images", "images"), ("metadata", "lines of metadata"), ("source", "of source"))))
         for line in found["checks"]:
             print(f"    check {line}")
         for i, diff in found["cells"]:
