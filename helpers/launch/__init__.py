@@ -19,7 +19,8 @@ is killed and nothing is left running.
 The package: :mod:`~helpers.launch.spec` checks a launch's arguments once, before anything starts;
 :mod:`~helpers.launch.environment` makes the run directory, the ranks' environment and a free port;
 :mod:`~helpers.launch.session` runs and watches the launcher's process tree; :mod:`~helpers.launch.diagnose` says
-which rank failed and why; :mod:`~helpers.launch.nodes` plays the nodes of a multi-node job on one machine.
+which rank failed and why; :mod:`~helpers.launch.nodes` plays the nodes of a multi-node job on one machine; :mod:`~helpers.launch.plain` runs a
+script the way ``python script.py`` in a terminal would, bounded and cleaned up.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..rank import metrics as _metrics
 from ..rank.devices import cpu_count, default_backend, default_nproc, gpu_count
 from .diagnose import _SECONDARY, _attempts, _error_for
 from .environment import _ephemeral_port_range, _new_run_dir, free_port, rank_env, runs_root
+from .plain import PlainRun, python
 from .session import _Session, kill_tree
 from .spec import PROJECT_ROOT, LaunchError, LaunchSpec, _check_args  # _check_args, _SECONDARY: tests use them
 

@@ -1,0 +1,40 @@
+"""launch.python runs a script as `python script.py` in a terminal would, bounded by a timeout, and leaves nothing
+running; with it, the blog's self-relaunching __main__ (course/pitfall_self_relaunch.py) is shown doing what notebook
+02 says it does."""
+import re
+
+import psutil
+import pytest
+
+from helpers import launch
+
+
+def test_bad_input_is_refused_before_anything_starts(runs_root):
+    with pytest.raises(FileNotFoundError, match="no such script"):
+        launch.python("course/no_such_script.py", timeout=10)
+    with pytest.raises(ValueError, match="timeout"):
+        launch.python("course/pitfall_self_relaunch.py", timeout=None)
+
+
+@pytest.mark.slow
+def test_timeout_kills_the_script_and_what_it_started(runs_root):
+    run = launch.python("tests/scripts/spawn_sleeper.py", timeout=3)
+    assert run.timed_out and run.returncode != 0
+    child = int(re.search(r"child (\d+)", run.output).group(1))
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert run.duration_s < 15
+    assert (run.run_dir / "output.log").read_text() == run.output
+
+
+@pytest.mark.slow
+def test_the_blogs_self_relaunching_main_multiplies_processes_and_never_trains(runs_root):
+    run = launch.python("course/pitfall_self_relaunch.py", timeout=120, name="self_relaunch",
+                        env={"BLOG_PORT": launch.free_port(), "NPROC": 2, "OMP_NUM_THREADS": 1})
+    assert not run.timed_out and run.returncode != 0  # the course's cap ended it, with a failure code
+    launched = re.findall(r"\[generation (\d+)[^\]]*\] launching torchrun", run.output)
+    capped = re.findall(r"\[generation (\d+)[^\]]*\] safety cap reached", run.output)
+    assert sorted(launched) == ["0", "1", "1"]  # the script, then each of its 2 copies, launched torchrun again
+    assert capped == ["2"] * 4  # 2 x 2 copies in generation 2, stopped only by the cap
+    assert "main() ran" not in run.output
+    assert run.processes >= 1 + 1 + 2 + 2 + 4  # the script, its torchrun, 2 copies, their 2 torchruns, 4 copies
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "pitfall_self_relaunch.py" in " ".join(p.info["cmdline"] or [])]
