@@ -6,7 +6,8 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers.notebook import exercises
-from helpers.notebook.exercises import Verdict, check_allreduce_sum, check_global_batch, check_set_epoch, check_shard
+from helpers.notebook.exercises import (Verdict, check_allreduce_sum, check_device, check_global_batch, check_set_epoch,
+                                        check_shard)
 
 GARBAGE = ["sixty-four", None, [1, 2], {"a": 1}, object(), float("nan"), True, 3.5]
 
@@ -212,3 +213,21 @@ def test_every_set_epoch_call_is_checked():
 def test_set_epoch_garbage_gets_a_message_not_an_exception(code):
     v = check_set_epoch(code)
     assert isinstance(v, Verdict) and not v.ok and v.message
+
+
+# --- check_device (notebook 02, exercise 2) -----------------------------------------------------------------
+@pytest.mark.parametrize("answer", ["cuda:1", " CUDA:1 ", 1, torch.device("cuda", 1)])
+def test_check_device_accepts_the_local_rank_in_any_spelling(answer):
+    assert check_device(answer, rank=5, local_rank=1, gpus_per_node=4).ok
+
+
+def test_check_device_explains_the_global_rank_mistake_without_giving_the_answer():
+    v = check_device("cuda:5", rank=5, local_rank=1, gpus_per_node=4)
+    assert not v.ok and "global RANK" in v.hint and "cuda:1" not in v.hint + v.message
+
+
+@pytest.mark.parametrize("answer, words", [("cuda:7", "4 GPUs"), ("cuda:2", "place on that node"),
+                                           ("gpu1", "'cuda:K'"), (None, "'cuda:3'"), ([1], "'cuda:K'")])
+def test_check_device_rejects_other_answers_with_a_hint(answer, words):
+    v = check_device(answer, rank=5, local_rank=1, gpus_per_node=4)
+    assert not v.ok and words in v.hint, v

@@ -35,9 +35,10 @@ def loss_per_rank(records: list[dict], field: str = "loss", title: str | None = 
     for rank in ranks:
         xs, ys = _metrics.series(records, field, rank)
         ax.plot(xs, ys, label=f"rank {rank}", alpha=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel(field)
-    ax.set_title(title or f"{field} per step, every rank")
+    words = {"loss": "training loss (cross-entropy)"}.get(field, field)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(words)
+    ax.set_title(title or f"{words} per step, every rank")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

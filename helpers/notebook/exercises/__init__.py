@@ -295,3 +295,37 @@ def check_set_epoch(code) -> Verdict:
         if problem is not None:
             return problem
     return Verdict(True, "set_epoch runs once per epoch, before the batches of that epoch are drawn.")
+
+
+@_never_raises
+def check_device(answer, *, rank: int, local_rank: int, gpus_per_node: int) -> Verdict:
+    """Which GPU does a rank drive? ``answer``: ``"cuda:K"``, ``torch.device("cuda", K)`` or the index ``K``.
+
+    Example::
+
+        >>> check_device("cuda:1", rank=5, local_rank=1, gpus_per_node=4)
+        Correct: ...
+    """
+    text = str(answer).strip().lower()
+    if isinstance(answer, bool) or answer is None:
+        return Verdict(False, f"expected a device such as 'cuda:0', got {answer!r}.",
+                       "Answer with a string like 'cuda:3' (or the index as a number).")
+    index = _whole_number(answer)
+    if index is None:
+        if not text.startswith("cuda:") or not text[5:].isdigit():
+            return Verdict(False, f"{answer!r} is not a CUDA device.",
+                           "Write it the way torch does: 'cuda:K', where K is the GPU's index on its node.")
+        index = int(text[5:])
+    if index == local_rank:
+        return Verdict(True, f"cuda:{local_rank}: LOCAL_RANK {local_rank} counts the processes on this node, and "
+                             f"each node numbers its own {gpus_per_node} GPUs from 0. (RANK {rank} is the place "
+                             "in the whole job: it names the shard of data and who saves, not the GPU.)")
+    wrong = f"cuda:{index} is not the GPU this rank drives."
+    if index == rank:
+        hint = (f"That is the global RANK. This node has only cuda:0 to cuda:{gpus_per_node - 1}; "
+                "torchrun sets a second variable that counts the processes on this node only.")
+    elif index >= gpus_per_node:
+        hint = f"This node has {gpus_per_node} GPUs, numbered from 0: a higher index does not exist here."
+    else:
+        hint = "Every process on a node drives the GPU whose index is its place on that node."
+    return Verdict(False, wrong, hint)
