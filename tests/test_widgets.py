@@ -168,3 +168,13 @@ def test_config_builder_text_shows_the_config_or_its_problems(tmp_path):
     builder.controls["dtype"].value = "fp16"
     text = repr(builder)
     assert "not written, the config has problems" in text and "fp16 is enabled" in text
+
+
+def test_config_builder_plain_text_form_is_its_full_text(tmp_path):
+    """ipywidgets cuts a widget's repr at 110 characters in text/plain; the saved notebook must show all of it."""
+    from helpers.notebook.widgets import config_builder
+    builder = config_builder(tmp_path / "cfg.json", world_size=2, accelerator="cpu")
+    bundle = builder._repr_mimebundle_()
+    assert bundle["text/plain"] == builder.text() == repr(builder)
+    assert "…" not in bundle["text/plain"] and '"train_batch_size"' in bundle["text/plain"]
+    assert "application/vnd.jupyter.widget-view+json" in bundle

@@ -366,7 +366,7 @@ class ConfigBuilder(w.VBox):
         self._refresh(written=path)
         return path
 
-    def __repr__(self) -> str:
+    def text(self) -> str:
         """What a saved notebook, nbval and a terminal show: the choices, then the config they make (or its
         problems) -- the same content the live widget renders."""
         import json
@@ -376,6 +376,14 @@ class ConfigBuilder(w.VBox):
         except self._dsconfig.ConfigError as err:
             body = "not written, the config has problems:\n" + "\n".join(f"  - {p}" for p in err.problems)
         return f"ConfigBuilder for {self.path.value}\nchoices: {choices}\n{body}"
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_mimebundle_(self, **kwargs):
+        data = super()._repr_mimebundle_(**kwargs)
+        data["text/plain"] = self.text()  # in full: ipywidgets cuts a widget's repr at 110 characters
+        return data
 
 
 def config_builder(path="runs/ds_config.json", world_size: int = 2, accelerator: str | None = None) -> ConfigBuilder:
