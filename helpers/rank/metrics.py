@@ -85,6 +85,8 @@ class TrainResult(TypedDict, total=False):
     restart_count: int        # elastic: how often torchrun restarted the worker group (TORCHELASTIC_RESTART_COUNT)
     resumed_from: int         # elastic: the step of the snapshot the last start resumed from, or None
     final_params_sha256: str  # elastic: SHA-256 of the final state_dict, to compare runs bitwise
+    reshard_after_forward: bool  # FSDP2: gathered parameters freed after forward (ZeRO-3-like) or kept (ZeRO-2-like)
+    exported: str             # FSDP2: path of the plain state_dict file converted from the DCP checkpoint
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
