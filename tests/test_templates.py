@@ -24,8 +24,9 @@ DEEPSPEED_SBATCH = COURSE / "slurm_deepspeed.sbatch"
 HOSTFILE = COURSE / "hostfile"
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")
 SLURM_ENV = {"SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
-             "SLURM_JOB_NUM_NODES": "2"}
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_PER_TASK": "16", "SLURM_GPUS_ON_NODE": "4"}
 NODES = ["node001", "node002"]
+MASTER_PORT = 20000 + 4242 % 10000  # derived from the job id, the same on every node
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,12 +136,18 @@ STUBS = {
     # srun [options] command...  -> run the command once, as the first node would (SLURM_NODEID=0)
     "srun": 'echo "$@" > "$STUB_LOG/srun.args"\nwhile [ "${1#-}" != "$1" ]; do shift; done\n'
             'SLURM_NODEID=0 SLURM_PROCID=0 exec "$@"\n',
-    "torchrun": 'printf "%s\\0" "$@" > "$STUB_LOG/torchrun.args"\n',
-    "deepspeed": 'printf "%s\\0" "$@" > "$STUB_LOG/deepspeed.args"\n',
+    # the first node's address, and the interface that holds it
+    "getent": '[ "$1 $2" = "ahostsv4 node001" ] && echo "10.1.0.1        STREAM node001"\n',
+    "ip": 'case "$*" in\n  "-o -4 addr show to 10.1.0.1") echo "4: ibp65s0    inet 10.1.0.1/16 scope global ibp65s0" ;;\n'
+          '  "-o link show dev ibp65s0" | "-o link show dev ib1") echo "$5: <BROADCAST,UP>" ;;\n  *) exit 1 ;;\nesac\n',
+    "torchrun": 'printf "%s\\0" "$@" > "$STUB_LOG/torchrun.args"\n'
+                'echo "$NCCL_SOCKET_IFNAME $GLOO_SOCKET_IFNAME" > "$STUB_LOG/ifname"\n',
+    "deepspeed": 'printf "%s\\0" "$@" > "$STUB_LOG/deepspeed.args"\n'
+                 'echo "$NCCL_SOCKET_IFNAME $GLOO_SOCKET_IFNAME" > "$STUB_LOG/ifname"\n',
 }
 
 
-def dry_run(script: Path, tmp_path: Path) -> tuple[list[str], Path]:
+def dry_run(script: Path, tmp_path: Path, env: dict | None = None) -> tuple[list[str], Path]:
     """Execute the batch script with stubs on PATH; return the launcher's argv and the submit dir."""
     bin_dir, log_dir, submit_dir = tmp_path / "bin", tmp_path / "log", tmp_path / "submit"
     for d in (bin_dir, log_dir, submit_dir):
@@ -150,7 +157,7 @@ def dry_run(script: Path, tmp_path: Path) -> tuple[list[str], Path]:
         stub.write_text("#!/bin/bash\n" + body)
         stub.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB_LOG": str(log_dir),
-           "SLURM_SUBMIT_DIR": str(submit_dir), **SLURM_ENV}
+           "SLURM_SUBMIT_DIR": str(submit_dir), **SLURM_ENV, **(env or {})}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     launcher = "torchrun" if "torchrun" in script.name else "deepspeed"
@@ -164,7 +171,7 @@ def test_torchrun_sbatch_dry_run_gives_torchrun_a_command_line_it_accepts(tmp_pa
     argv, submit_dir = dry_run(TORCHRUN_SBATCH, tmp_path)
     args = get_args_parser().parse_args(argv)
     assert args.nnodes == "2" and args.nproc_per_node == "4"
-    assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == "node001:29500" and args.rdzv_id == "4242"
+    assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == f"node001:{MASTER_PORT}" and args.rdzv_id == "4242"
     assert args.max_restarts == 3
     assert args.training_script == "course/elastic_cifar10.py" and (REPO / args.training_script).is_file()
     # the script's own options exist in the script, and the snapshot folder was prepared
@@ -182,7 +189,7 @@ def test_deepspeed_sbatch_dry_run_gives_deepspeed_a_command_line_it_accepts(tmp_
     argv, _ = dry_run(DEEPSPEED_SBATCH, tmp_path)
     args = parse_args(argv)
     assert args.no_ssh and args.node_rank == 0  # srun's SLURM_NODEID on the first node
-    assert args.master_addr == "node001" and args.master_port == 29500
+    assert args.master_addr == "node001" and args.master_port == MASTER_PORT
     assert args.user_script == "course/ds_cifar10.py" and (REPO / args.user_script).is_file()
     script_source = (REPO / args.user_script).read_text()
     for flag in (a for a in args.user_args if a.startswith("--")):
@@ -204,3 +211,28 @@ def test_srun_starts_the_launchers_with_kill_on_bad_exit(tmp_path):
     dry_run(TORCHRUN_SBATCH, tmp_path)
     srun_args = shlex.split((tmp_path / "log" / "srun.args").read_text())
     assert srun_args[0] == "--kill-on-bad-exit=1" and srun_args[1] == "torchrun"
+
+
+@pytest.mark.parametrize("script", [TORCHRUN_SBATCH, DEEPSPEED_SBATCH], ids=lambda p: p.name)
+def test_network_interface_is_the_one_holding_the_master_address_unless_named(script, tmp_path):
+    dry_run(script, tmp_path)
+    assert (tmp_path / "log" / "ifname").read_text().split() == ["ibp65s0", "ibp65s0"]  # not a hard-coded ib0
+    dry_run(script, tmp_path, {"NCCL_SOCKET_IFNAME": "^docker0,lo", "GLOO_SOCKET_IFNAME": "ib1"})
+    assert (tmp_path / "log" / "ifname").read_text().split() == ["^docker0,lo", "ib1"]
+
+
+@pytest.mark.parametrize("script", [TORCHRUN_SBATCH, DEEPSPEED_SBATCH], ids=lambda p: p.name)
+def test_training_arguments_come_from_train_args_with_ten_epochs_by_default(script, tmp_path):
+    launcher = "torchrun" if "torchrun" in script.name else "deepspeed"
+    argv, _ = dry_run(script, tmp_path)
+    assert argv[argv.index("--epochs") + 1] == "10"
+    argv, _ = dry_run(script, tmp_path, {"TRAIN_ARGS": "--epochs 1 --train-size 64"})
+    assert argv[argv.index("--epochs") + 1] == "1" and argv[argv.index("--train-size") + 1] == "64", launcher
+
+
+def test_header_shows_the_cpu_rehearsal_command_with_the_gpu_line_overridden():
+    for script in (TORCHRUN_SBATCH, DEEPSPEED_SBATCH):
+        header = script.read_text().split("\n#SBATCH")[0]
+        assert f"--gpus-per-node=0 --cpus-per-task=2 course/{script.name}" in header
+        assert "TRAIN_ARGS=" in header and "tests/slurm_cluster.py" in header
+    assert "DS_ACCELERATOR=cpu" in DEEPSPEED_SBATCH.read_text().split("\n#SBATCH")[0]
