@@ -15,6 +15,7 @@ import argparse
 import itertools
 import math
 import os
+import sys
 import time
 
 import torch
@@ -112,6 +113,9 @@ def main():
     args = parse_args()
     rank, local_rank, world_size = launched_ranks("torchrun --nproc-per-node 2 course/fsdp2_cifar10.py")
     device, backend = rank_device(local_rank)  # GPU LOCAL_RANK + NCCL (set before init), else CPU + gloo
+    if args.cpu_offload and device.type != "cuda":  # refused before anything starts, with what to change
+        sys.exit("--cpu-offload keeps the shards in CPU memory and copies them to the GPU for every all-gather; "
+                 "on a CPU rank they are in CPU memory already (and pinning needs CUDA): drop --cpu-offload")
     dist.init_process_group(backend)
     try:
         train(args, rank, world_size, device)

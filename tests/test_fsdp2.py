@@ -5,6 +5,7 @@ formula, and the communication FSDP2 does per step against the 3P of the ZeRO pa
 Tolerance: fp32 everywhere; the same global batches are summed in a different order (per rank, then reduced), so
 the mean loss of the ranks agrees with one process to 1e-4 (measured: ~1e-6 on this model)."""
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,11 @@ def test_no_reshard_after_forward_gathers_once_per_step(module_runs_root):
     per_step = run.results_by_rank()[0]["comm_per_step"]
     assert run.result["reshard_after_forward"] is False
     assert per_step["all_gather_into_tensor"]["calls"] == 4 and per_step["reduce_scatter_tensor"]["calls"] == 4
+
+
+def test_cpu_offload_on_a_cpu_rank_is_refused_with_what_to_change(module_runs_root):
+    with pytest.raises(launch.LaunchError) as err:
+        _torchrun(SCRIPT, 2, DATA + ["--steps", 1, "--cpu-offload"], "fsdp2_offload_cpu")
+    logs = Path(err.value.run_dir).glob("rank*.log") if err.value.run_dir else []
+    text = str(err.value) + "".join(log.read_text() for log in logs)
+    assert "drop --cpu-offload" in text

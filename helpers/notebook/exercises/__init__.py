@@ -5,7 +5,8 @@ learner sees a message rather than a traceback. Hints name the idea that is miss
 print the expected answer.
 
 The checkers of notebooks 01 and 02 live here; the other chapters' are in the modules beside this one, built on
-:class:`Verdict` and :func:`_never_raises`: ``env`` (notebook 00), ``zero`` (03 and 04), ``practice`` (05), ``faults`` (06), ``fsdp`` (07).
+:class:`Verdict` and :func:`_never_raises`: ``env`` (notebook 00), ``zero`` (03 and 04), ``practice`` (05), ``faults`` (06),
+``fsdp`` (07).
 
 Example::
 
