@@ -56,6 +56,8 @@ def parse_args():
                    help="keep gathered parameters from forward to backward (ZeRO-2-like: more memory, fewer gathers)")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction")
     p.add_argument("--cpu-offload", action="store_true", help="CPUOffloadPolicy: shards live in (pinned) CPU memory")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="ranks one copy is sharded over (default: all); fewer -> HSDP, replicated across the groups")
     p.add_argument("--save-dir", default=None, help="save a DCP checkpoint (one shard per rank) here at the end")
     p.add_argument("--load-dir", default=None, help="resume from this DCP checkpoint, at any world size")
     p.add_argument("--export", default=None, help="also write the checkpoint as one plain state_dict file here")
@@ -116,6 +118,10 @@ def main():
     if args.cpu_offload and device.type != "cuda":  # refused before anything starts, with what to change
         sys.exit("--cpu-offload keeps the shards in CPU memory and copies them to the GPU for every all-gather; "
                  "on a CPU rank they are in CPU memory already (and pinning needs CUDA): drop --cpu-offload")
+    args.shard_size = args.shard_size or world_size
+    if not 1 <= args.shard_size <= world_size or world_size % args.shard_size:
+        sys.exit(f"--shard-size {args.shard_size} cannot shard over {world_size} ranks: the mesh is (replicas, shard "
+                 f"size) and must hold WORLD_SIZE ranks exactly; use a divisor of {world_size}")
     dist.init_process_group(backend)
     try:
         train(args, rank, world_size, device)
@@ -134,7 +140,11 @@ def train(args, rank, world_size, device):
 
     model = SimpleCNN(info.num_classes).to(device)
     params = count_parameters(model)  # before sharding
-    mesh = init_device_mesh(device.type, (world_size,))  # 1-D mesh: shard over every rank ("cpu" or "cuda")
+    if args.shard_size == world_size:  # 1-D mesh: shard over every rank ("cpu" or "cuda")
+        mesh = init_device_mesh(device.type, (world_size,))
+    else:  # 2-D: shard within groups of --shard-size ranks, replicate (all-reduce gradients) across the groups
+        mesh = init_device_mesh(device.type, (world_size // args.shard_size, args.shard_size),
+                                mesh_dim_names=("replicate", "shard"))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
         else MixedPrecisionPolicy()  # default: compute and reduce in the parameters' own dtype (fp32)
     shard = dict(mesh=mesh, reshard_after_forward=not args.no_reshard_after_forward, mp_policy=mp,
@@ -160,7 +170,7 @@ def train(args, rank, world_size, device):
 
     total_steps = args.epochs * len(loader) if args.steps is None else args.steps
     rep.total(total_steps - start_step)
-    log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} mesh={mesh.device_type} "
+    log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} mesh={tuple(mesh.mesh.shape)} "
          f"params={params} global_batch={args.batch_size * world_size} steps={total_steps} "
          f"reshard_after_forward={shard['reshard_after_forward']} bf16={args.bf16}")
     skip = max(0, min(args.skip_steps, total_steps - start_step - 1))
@@ -213,10 +223,12 @@ def train(args, rank, world_size, device):
     memory = peak_memory(device)
     rate = f"{samples_per_s:.0f} samples/s over steps {start_step + skip + 1}-{step}" if samples_per_s else "no steps"
     log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training | {rate}")
-    rep.result(model_state_bytes=states, comm_per_step=per_step)  # every rank: its own
+    hsdp = args.shard_size < world_size  # HSDP's all-reduce across the replicas goes uncounted: report none
+    rep.result(model_state_bytes=states, comm_per_step=None if hsdp else per_step)  # every rank: its own
     if rank == 0:
         rep.result(framework="fsdp2", test_accuracy=accuracy, train_samples=samples * world_size,
                    world_size=world_size, global_batch=args.batch_size * world_size, dataset=info.name,
+                   shard_size=args.shard_size,
                    params=params, dtype="bf16" if args.bf16 else "fp32", steps=step, resumed_from=start_step,
                    reshard_after_forward=shard["reshard_after_forward"], checkpoint=checkpoint,
                    checkpoint_bytes=checkpoint_bytes, exported=args.export, rss_start_mib=rss_start,

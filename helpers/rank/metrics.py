@@ -87,6 +87,7 @@ class TrainResult(TypedDict, total=False):
     final_params_sha256: str  # elastic: SHA-256 of the final state_dict, to compare runs bitwise
     reshard_after_forward: bool  # FSDP2: gathered parameters freed after forward (ZeRO-3-like) or kept (ZeRO-2-like)
     exported: str             # FSDP2: path of the plain state_dict file converted from the DCP checkpoint
+    shard_size: int           # FSDP2: ranks each copy is sharded over (= world_size, or fewer with HSDP replicas)
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
