@@ -55,7 +55,8 @@ def default_accelerator() -> str:
 def supported_dtypes(accelerator: str, capabilities: list[str] | None = None) -> set[str]:
     """Training precisions this course runs on ``accelerator``.
 
-    CPU: fp32 and bf16 (DeepSpeed's CPU accelerator; fp16 needs loss scaling and GPU kernels).
+    CPU: fp32 and bf16. DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; the course
+    trains CPUs in bf16, which stores the same 2 bytes and needs no loss scaler.
     CUDA: fp32 and fp16 everywhere, bf16 on compute capability 8.0+ (Ampere and later). Inside a rank, where CUDA
     is initialised, CUDA is asked; in the notebook kernel, which never initialises CUDA, the caller passes the
     ``capabilities`` ("8.0", ...) its subprocess probe found (``helpers.notebook.env.devices``); unknown
@@ -271,7 +272,8 @@ def _precision_problems(config: Mapping, accelerator: str, capabilities: list[st
         return ["fp16 and bf16 are both enabled; enable one of them (or neither, for fp32)"]
     ok = supported_dtypes(accelerator, capabilities)
     if fp16 and "fp16" not in ok:
-        out.append('fp16 is enabled but DeepSpeed runs on the CPU here, which does not train in fp16: set '
+        out.append('fp16 is enabled but DeepSpeed runs on the CPU here, where this course trains in bf16 (the same '
+                   '2 bytes, and no loss scaler): set '
                    '"bf16": {"enabled": true} (or no precision section, for fp32) instead of "fp16"')
     if bf16 and "bf16" not in ok:
         out.append('bf16 is enabled but this GPU does not support it (needs compute capability 8.0+, Ampere '
