@@ -31,6 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
+from helpers.calc.mesh import shard_size_problem
 from helpers.rank.data import get_datasets
 from helpers.rank.devices import rank_device
 from helpers.rank.metrics import Reporter
@@ -118,10 +119,10 @@ def main():
     if args.cpu_offload and device.type != "cuda":  # refused before anything starts, with what to change
         sys.exit("--cpu-offload keeps the shards in CPU memory and copies them to the GPU for every all-gather; "
                  "on a CPU rank they are in CPU memory already (and pinning needs CUDA): drop --cpu-offload")
+    problem = shard_size_problem(world_size, args.shard_size)  # helpers.launch checks the same before launching
+    if problem:
+        sys.exit(problem)
     args.shard_size = args.shard_size or world_size
-    if not 1 <= args.shard_size <= world_size or world_size % args.shard_size:
-        sys.exit(f"--shard-size {args.shard_size} cannot shard over {world_size} ranks: the mesh is (replicas, shard "
-                 f"size) and must hold WORLD_SIZE ranks exactly; use a divisor of {world_size}")
     dist.init_process_group(backend)
     try:
         train(args, rank, world_size, device)

@@ -4,6 +4,7 @@ formula, and the communication FSDP2 does per step against the 3P of the ZeRO pa
 
 Tolerance: fp32 everywhere; the same global batches are summed in a different order (per rank, then reduced), so
 the mean loss of the ranks agrees with one process to 1e-4 (measured: ~1e-6 on this model)."""
+import os
 import statistics
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from helpers.rank.models import SimpleCNN
 pytestmark = pytest.mark.slow
 
 SCRIPT = "course/fsdp2_cifar10.py"
+ROOT = launch.PROJECT_ROOT
 GLOBAL_BATCH = 48
 STEPS = 16  # one epoch of TRAIN_SIZE at GLOBAL_BATCH
 DATA = ["--dataset", "synthetic", "--train-size", str(STEPS * GLOBAL_BATCH), "--test-size", "96", "--skip-steps", "2"]
@@ -134,8 +136,20 @@ def test_hsdp_with_shard_size_one_trains_like_ddp_and_holds_ddp_memory(runs):
         assert 0.95 <= r["model_state_bytes"]["total"] / whole <= 1.05
 
 
-def test_shard_size_that_does_not_divide_the_world_is_refused_with_what_to_use(module_runs_root):
+@pytest.mark.parametrize("bad", [["--shard-size", 4], ["--shard-size=3"], ["--shard-size", "two"]])
+def test_a_bad_mesh_is_refused_before_launch_with_what_to_use(module_runs_root, bad):
     with pytest.raises(launch.LaunchError) as err:
-        _torchrun(SCRIPT, 2, DATA + ["--steps", 1, "--shard-size", 4], "fsdp2_bad_mesh")
-    logs = Path(err.value.run_dir).glob("rank*.log") if err.value.run_dir else []
-    assert "use a divisor of 2" in str(err.value) + "".join(log.read_text() for log in logs)
+        _torchrun(SCRIPT, 2, DATA + ["--steps", 1, *bad], "fsdp2_bad_mesh")
+    assert err.value.reason == "invalid" and err.value.run_dir is None  # nothing started, no run folder
+    assert "use one of 1, 2" in str(err.value) or "whole number of ranks" in str(err.value)
+    assert not (module_runs_root / "fsdp2_bad_mesh").exists()
+
+
+def test_a_bad_mesh_given_to_the_script_directly_stops_each_rank_with_the_same_message(tmp_path):
+    # from a terminal, without helpers.launch in between: the script applies the same rule inside each rank
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                          str(ROOT / SCRIPT), *map(str, DATA), "--steps", "1", "--shard-size", "2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
+    assert out.returncode != 0 and "use one of 1" in out.stdout + out.stderr

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
+from ..calc.mesh import shard_size_problem
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _SHOW_CHOICES = ("rank0", "all", "none")
 
@@ -86,6 +88,7 @@ class LaunchSpec:
                 raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpus} cores would thrash", reason="invalid")
         if config is not None:
             _check_config_fits(config, nproc * nnodes, gpus)
+        _check_course_script_args(script_path, arg_list, nproc * nnodes)
         _check_timeouts(timeout, stall_timeout)
         if show not in _SHOW_CHOICES:
             raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
@@ -170,6 +173,34 @@ def _check_script_flags(arg_list: list[str]) -> None:
             raise LaunchError(f"script flag {flag} is the start of torchrun's own option(s) {', '.join(clash)}; "
                               f"torchrun would take it as an abbreviation and fail. Rename the flag in the script "
                               f"(e.g. --num-samples instead of --n).", reason="invalid")
+
+
+def _flag_value(arg_list: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` (``--flag V`` or ``--flag=V``; the last one wins, as argparse does), else None."""
+    value = None
+    for i, a in enumerate(arg_list):
+        if a == flag and i + 1 < len(arg_list):
+            value = arg_list[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _check_course_script_args(script_path: Path, arg_list: list[str], world_size: int) -> None:
+    """Mistakes in a course script's own arguments that are visible before anything starts: FSDP2's mesh, which
+    must hold the world exactly (``course/fsdp2_cifar10.py`` checks the same inside each rank)."""
+    if script_path.name != "fsdp2_cifar10.py":
+        return
+    value = _flag_value(arg_list, "--shard-size")
+    if value is None:
+        return
+    try:
+        shard_size = int(value)
+    except ValueError:
+        raise LaunchError(f"--shard-size must be a whole number of ranks, got {value!r}", reason="invalid") from None
+    problem = shard_size_problem(world_size, shard_size)
+    if problem:
+        raise LaunchError(problem, reason="invalid")
 
 
 def _check_env(env) -> dict[str, str]:
