@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from .environment import _new_run_dir
-from .session import course_relative, kill_tree
+from .session import _descendants, course_relative, kill_tree
 from .spec import PROJECT_ROOT
 
 
@@ -54,12 +54,12 @@ def python(script, args=(), *, env=None, timeout: float, name: str | None = None
     reader.start()
     timed_out = False
     while proc.poll() is None:
-        _remember(proc.pid, seen)
+        seen.update({p.pid: p for p in _descendants(proc.pid) if p.pid not in seen})
         if time.monotonic() - start > timeout:
             timed_out = True
             break
         time.sleep(0.1)
-    _remember(proc.pid, seen)
+    seen.update({p.pid: p for p in _descendants(proc.pid) if p.pid not in seen})
     if proc.poll() is None:  # the script first, so that it starts nothing more; by Popen, which keeps its exit code
         proc.terminate()
         try:
@@ -73,12 +73,3 @@ def python(script, args=(), *, env=None, timeout: float, name: str | None = None
     (run_dir / "output.log").write_text(output)
     return PlainRun(returncode=proc.returncode, output=course_relative(output), timed_out=timed_out,
                     duration_s=time.monotonic() - start, processes=len(seen), run_dir=run_dir)
-
-
-def _remember(pid: int, seen: dict) -> None:
-    try:
-        parent = psutil.Process(pid)
-        for p in [parent] + parent.children(recursive=True):
-            seen.setdefault(p.pid, p)
-    except psutil.NoSuchProcess:
-        pass
