@@ -330,8 +330,8 @@ class _Session:
         if not self.held:
             return
         held, self.held = self.held, None
-        for source in sorted(held, key=lambda s: (isinstance(s, str), s if isinstance(s, int) else 0)):
-            for text in held[source]:
+        for source in sorted(k for k in held if k != "launcher") + ["launcher"]:
+            for text in held.get(source, []):
                 self._print(text)
 
     def close(self) -> None:
