@@ -37,9 +37,14 @@ def substitutions(path: Path = SANITIZE) -> list[tuple[re.Pattern, str]]:
     return [(re.compile(cfg[s]["regex"]), cfg[s]["replace"]) for s in cfg.sections()]
 
 
+def _ignored(cell) -> bool:
+    """nbval does not compare this cell's output (tagged ``nbval-ignore-output`` or ``nbval-skip``)."""
+    return any(t in cell.metadata.get("tags", []) for t in IGNORE_TAGS)
+
+
 def compared_text(cell, subs) -> str | None:
     """The text nbval compares for a code cell (stream and text/plain outputs, sanitized), None if it is ignored."""
-    if cell.cell_type != "code" or any(t in cell.metadata.get("tags", []) for t in IGNORE_TAGS):
+    if cell.cell_type != "code" or _ignored(cell):
         return None
     parts = []
     for out in cell.get("outputs", []):
@@ -104,8 +109,7 @@ def churn(old, new) -> collections.Counter:
     for a, b in zip(old.cells, new.cells):
         count["source"] += _changed_lines(a.source, b.source)
         count["metadata"] += _changed_lines(dump(a.metadata), dump(b.metadata))
-        ignored = any(t in b.metadata.get("tags", []) for t in IGNORE_TAGS)
-        count["ignored" if ignored else "compared"] += _changed_lines(_output_text(a), _output_text(b))
+        count["ignored" if _ignored(b) else "compared"] += _changed_lines(_output_text(a), _output_text(b))
         ia, ib = _images(a), _images(b)
         count["images"] += sum(x != y for x, y in zip(ia, ib)) + abs(len(ia) - len(ib))
     for cell in old.cells[len(new.cells):] + new.cells[len(old.cells):]:
