@@ -24,27 +24,58 @@ import numbers
 import textwrap
 from dataclasses import dataclass
 
+from .. import i18n
+from ..i18n import _
+
+
+# What a verdict starts with, per language (helpers.notebook.i18n picks the language)
+_LABELS = {i18n.ENGLISH: ("Correct: ", "Not yet: ", "Hint: "), i18n.CHINESE: ("正确：", "还不对：", "提示：")}
+
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of one check. ``bool(verdict)`` is ``verdict.ok``; printing it shows the message."""
+    """The outcome of one check. ``bool(verdict)`` is ``verdict.ok``; printing it shows the message.
+
+    ``message`` and ``hint`` are :func:`helpers.notebook.i18n._` texts: English as strings, shown in the
+    kernel's language when printed or displayed, and saved with their msgids so the Chinese build can show a
+    saved verdict in Chinese."""
 
     ok: bool
     message: str
     hint: str = ""
 
-    def __str__(self) -> str:
+    def render(self, lang: str | None = None) -> str:
+        lang = i18n.normalise(lang) if lang else i18n.language()
+        right, wrong, hint = _LABELS[lang]
+        text = {k: i18n.render_json(i18n.as_json(v), lang) for k, v in (("message", self.message), ("hint", self.hint))}
         if self.ok:
-            return f"Correct: {self.message}"
-        return f"Not yet: {self.message}" + (f"\nHint: {self.hint}" if self.hint else "")
+            return right + text["message"]
+        return wrong + text["message"] + (f"\n{hint}{text['hint']}" if self.hint else "")
+
+    def __str__(self) -> str:
+        return self.render()
 
     __repr__ = __str__  # a notebook cell shows the same plain text print() would (stable for nbval)
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(str(self))
 
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        return {"text/plain": str(self),
+                i18n.MIME: {"kind": "verdict", "ok": self.ok, "message": i18n.as_json(self.message),
+                            "hint": i18n.as_json(self.hint) if self.hint else None}}
+
     def __bool__(self) -> bool:
         return self.ok
+
+
+def render_saved(data: dict, lang: str) -> str:
+    """A saved verdict output (its :data:`helpers.notebook.i18n.MIME` payload) as text in ``lang``."""
+    return Verdict(data["ok"], _from_json(data["message"]), _from_json(data["hint"]) if data.get("hint") else "").render(lang)
+
+
+def _from_json(message: dict) -> str:
+    return message["msgid"] if message.get("plain") else i18n.Text(message["msgid"], message.get("fields", {}))
 
 
 def _never_raises(check):
@@ -54,8 +85,9 @@ def _never_raises(check):
         try:
             return check(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the learner must see a message, never a traceback
-            return Verdict(False, f"could not check that answer ({type(e).__name__}: {e}).",
-                           "Check the type of your answer against the exercise text.")
+            return Verdict(False, _("could not check that answer ({error_type}: {error}).",
+                                    error_type=type(e).__name__, error=e),
+                           _("Check the type of your answer against the exercise text."))
     return wrapper
 
 
@@ -71,8 +103,9 @@ def _whole_number(answer) -> int | None:
 
 
 def _not_a_number(answer) -> Verdict:
-    return Verdict(False, f"expected a whole number, got {answer!r} ({type(answer).__name__}).",
-                   "Answer with a number such as 12, not a string or a list.")
+    return Verdict(False, _("expected a whole number, got {answer!r} ({answer_type}).",
+                            answer=answer, answer_type=type(answer).__name__),
+                   _("Answer with a number such as 12, not a string or a list."))
 
 
 @_never_raises
@@ -89,24 +122,32 @@ def check_global_batch(answer, *, per_rank_batch: int, world_size: int, accumula
         return _not_a_number(answer)
     right = per_rank_batch * world_size * accumulation
     if value == right:
-        return Verdict(True, f"{per_rank_batch} samples per rank x {world_size} ranks x {accumulation} "
-                             f"micro-step{'s' if accumulation != 1 else ''} = one optimizer step's global batch.")
-    wrong = f"{value} is not the global batch."
+        if accumulation == 1:
+            return Verdict(True, _("{per_rank_batch} samples per rank x {world_size} ranks x {accumulation} "
+                                   "micro-step = one optimizer step's global batch.",
+                                   per_rank_batch=per_rank_batch, world_size=world_size, accumulation=accumulation))
+        return Verdict(True, _("{per_rank_batch} samples per rank x {world_size} ranks x {accumulation} "
+                               "micro-steps = one optimizer step's global batch.",
+                               per_rank_batch=per_rank_batch, world_size=world_size, accumulation=accumulation))
+    wrong = _("{value} is not the global batch.", value=value)
     if value == per_rank_batch:
-        also = " Then count the micro-steps of gradient accumulation too." if accumulation > 1 else ""
-        return Verdict(False, wrong, "That is what one rank's DataLoader yields. Every rank processes its own "
-                                     f"batch of that size in the same step, and DDP averages over all of them.{also}")
+        if accumulation > 1:
+            return Verdict(False, wrong, _("That is what one rank's DataLoader yields. Every rank processes its own "
+                                           "batch of that size in the same step, and DDP averages over all of them. "
+                                           "Then count the micro-steps of gradient accumulation too."))
+        return Verdict(False, wrong, _("That is what one rank's DataLoader yields. Every rank processes its own "
+                                       "batch of that size in the same step, and DDP averages over all of them."))
     if accumulation > 1 and value == per_rank_batch * world_size:
-        return Verdict(False, wrong, "You counted the ranks. But with gradient accumulation the optimizer steps "
-                                     "only after several micro-batches, and each one adds samples to that step.")
+        return Verdict(False, wrong, _("You counted the ranks. But with gradient accumulation the optimizer steps "
+                                       "only after several micro-batches, and each one adds samples to that step."))
     if world_size > 1 and value == per_rank_batch * accumulation:
-        return Verdict(False, wrong, "You counted gradient accumulation on one rank. Every rank does the same "
-                                     "micro-steps on different data, and all of it goes into one step.")
+        return Verdict(False, wrong, _("You counted gradient accumulation on one rank. Every rank does the same "
+                                       "micro-steps on different data, and all of it goes into one step."))
     if world_size > 1 and value in (per_rank_batch // world_size, per_rank_batch * accumulation // world_size):
-        return Verdict(False, wrong, "per_rank_batch is already the batch of ONE rank: it is not split "
-                                     "further between ranks, it is multiplied.")
-    return Verdict(False, wrong, "Three factors make the global batch: samples per rank per micro-step, "
-                                 "how many ranks, and how many micro-steps before each optimizer step.")
+        return Verdict(False, wrong, _("per_rank_batch is already the batch of ONE rank: it is not split "
+                                       "further between ranks, it is multiplied."))
+    return Verdict(False, wrong, _("Three factors make the global batch: samples per rank per micro-step, "
+                                   "how many ranks, and how many micro-steps before each optimizer step."))
 
 
 @_never_raises
@@ -123,21 +164,22 @@ def check_allreduce_sum(answer, world_size: int) -> Verdict:
         return _not_a_number(answer)
     right = world_size * (world_size + 1) // 2
     if value == right:
-        return Verdict(True, f"every rank holds 1 + ... + {world_size} = {right} after the all-reduce.")
-    wrong = f"{value} is not what the ranks hold."
+        return Verdict(True, _("every rank holds 1 + ... + {world_size} = {right} after the all-reduce.",
+                               world_size=world_size, right=right))
+    wrong = _("{value} is not what the ranks hold.", value=value)
     if value == world_size * (world_size - 1) // 2:
-        return Verdict(False, wrong, "Each rank contributes rank + 1, not its rank: rank 0 adds 1.")
+        return Verdict(False, wrong, _("Each rank contributes rank + 1, not its rank: rank 0 adds 1."))
     if value == world_size:
-        return Verdict(False, wrong, "That is the largest contribution (or the number of ranks). SUM adds "
-                                     "every rank's value together.")
+        return Verdict(False, wrong, _("That is the largest contribution (or the number of ranks). SUM adds "
+                                       "every rank's value together."))
     if value == 1:
-        return Verdict(False, wrong, "That is rank 0's value before the call. all_reduce works in place, and "
-                                     "afterwards every rank holds the same reduced value.")
+        return Verdict(False, wrong, _("That is rank 0's value before the call. all_reduce works in place, and "
+                                       "afterwards every rank holds the same reduced value."))
     if value == right * world_size:
-        return Verdict(False, wrong, "The sum is computed once and every rank receives it; it is not added "
-                                     "up again per rank.")
-    return Verdict(False, wrong, "Write down each rank's contribution (rank + 1 for rank 0 .. world_size-1), "
-                                 "then add them.")
+        return Verdict(False, wrong, _("The sum is computed once and every rank receives it; it is not added "
+                                       "up again per rank."))
+    return Verdict(False, wrong, _("Write down each rank's contribution (rank + 1 for rank 0 .. world_size-1), "
+                                   "then add them."))
 
 
 def _shard(n: int, world_size: int, rank: int, epoch: int, seed: int) -> list[int]:
@@ -169,46 +211,54 @@ def check_shard(answer_indices, *, n: int, world_size: int, rank: int, epoch: in
         Hint: DistributedSampler does not hand out contiguous blocks: ...
     """
     if not (isinstance(world_size, int) and 0 <= rank < world_size and n >= 0 and epoch >= 0):
-        return Verdict(False, f"the exercise asked about rank={rank!r}, world_size={world_size!r}, n={n!r}, "
-                              f"epoch={epoch!r}; that is not a valid setup.", "Use 0 <= rank < world_size.")
+        return Verdict(False, _("the exercise asked about rank={rank!r}, world_size={world_size!r}, n={n!r}, "
+                                "epoch={epoch!r}; that is not a valid setup.",
+                                rank=rank, world_size=world_size, n=n, epoch=epoch),
+                       _("Use 0 <= rank < world_size."))
     got = _index_list(answer_indices)
     if got is None:
-        return Verdict(False, f"expected a list of dataset indices, got {answer_indices!r}.",
-                       "Answer with a list of whole numbers, in the order the rank sees them.")
+        return Verdict(False, _("expected a list of dataset indices, got {answer!r}.", answer=answer_indices),
+                       _("Answer with a list of whole numbers, in the order the rank sees them."))
     right = _shard(n, world_size, rank, epoch, seed)
     if got == right:
-        return Verdict(True, f"rank {rank} sees these {len(right)} indices, in this order, in epoch {epoch}.")
-    wrong = f"{got} is not rank {rank}'s shard in epoch {epoch}."
+        return Verdict(True, _("rank {rank} sees these {count} indices, in this order, in epoch {epoch}.",
+                               rank=rank, count=len(right), epoch=epoch))
+    wrong = _("{got} is not rank {rank}'s shard in epoch {epoch}.", got=got, rank=rank, epoch=epoch)
     per_rank = len(right)
     total = per_rank * world_size
     for other in range(world_size):
         if other != rank and got == _shard(n, world_size, other, epoch, seed):
-            return Verdict(False, wrong, "That is another rank's shard. Each rank takes every "
-                                         "world_size-th entry of the shuffled order, starting at its own rank.")
+            return Verdict(False, wrong, _("That is another rank's shard. Each rank takes every "
+                                           "world_size-th entry of the shuffled order, starting at its own rank."))
     for other_epoch in range(epoch + 3):
         if other_epoch != epoch and got == _shard(n, world_size, rank, other_epoch, seed):
-            extra = " (the order you get when set_epoch is never called)" if other_epoch == 0 else ""
-            return Verdict(False, wrong, f"That is this rank's shard for a different epoch{extra}. The shuffle "
-                                         "is seeded with seed + epoch, so each epoch has its own order.")
+            if other_epoch == 0:
+                return Verdict(False, wrong, _("That is this rank's shard for a different epoch (the order you get "
+                                               "when set_epoch is never called). The shuffle is seeded with "
+                                               "seed + epoch, so each epoch has its own order."))
+            return Verdict(False, wrong, _("That is this rank's shard for a different epoch. The shuffle "
+                                           "is seeded with seed + epoch, so each epoch has its own order."))
     unshuffled = [i % n for i in range(total)][rank:total:world_size] if n else []
     if got == unshuffled:
-        return Verdict(False, wrong, "Right pattern, but shuffle=True: the sampler permutes all indices "
-                                     "first (with a generator seeded from seed + epoch), then splits.")
+        return Verdict(False, wrong, _("Right pattern, but shuffle=True: the sampler permutes all indices "
+                                       "first (with a generator seeded from seed + epoch), then splits."))
     if got == list(range(rank * per_rank, min(n, (rank + 1) * per_rank))):
-        return Verdict(False, wrong, "DistributedSampler does not hand out contiguous blocks: it shuffles, "
-                                     "then gives rank r the entries r, r + world_size, r + 2*world_size, ...")
+        return Verdict(False, wrong, _("DistributedSampler does not hand out contiguous blocks: it shuffles, "
+                                       "then gives rank r the entries r, r + world_size, r + 2*world_size, ..."))
     if len(got) == n and world_size > 1:
-        return Verdict(False, wrong, "That is as many indices as the whole dataset; each rank gets only "
-                                     "its own part.")
+        return Verdict(False, wrong, _("That is as many indices as the whole dataset; each rank gets only "
+                                       "its own part."))
     if len(got) != per_rank:
-        pad = (" With drop_last=False the sampler pads (repeats indices) so that every rank gets the same "
-               "count: round up, not down." if n % world_size else "")
-        return Verdict(False, wrong, f"Each rank gets the same number of indices: n / world_size.{pad}")
+        if n % world_size:
+            return Verdict(False, wrong, _("Each rank gets the same number of indices: n / world_size. With "
+                                           "drop_last=False the sampler pads (repeats indices) so that every rank "
+                                           "gets the same count: round up, not down."))
+        return Verdict(False, wrong, _("Each rank gets the same number of indices: n / world_size."))
     if sorted(got) == sorted(right):
-        return Verdict(False, wrong, "Right indices, wrong order. The DataLoader yields them in the "
-                                     "sampler's order, and that order is part of the answer.")
-    return Verdict(False, wrong, "Build DistributedSampler(range(n), num_replicas=..., rank=..., shuffle=True, "
-                                 "seed=...), call set_epoch(epoch), then list(...) it.")
+        return Verdict(False, wrong, _("Right indices, wrong order. The DataLoader yields them in the "
+                                       "sampler's order, and that order is part of the answer."))
+    return Verdict(False, wrong, _("Build DistributedSampler(range(n), num_replicas=..., rank=..., shuffle=True, "
+                                   "seed=...), call set_epoch(epoch), then list(...) it."))
 
 
 def _source(code) -> str:
@@ -241,25 +291,25 @@ def _iterates_a_loader(loop: ast.AST) -> bool:
 def _set_epoch_problem(tree: ast.AST, call: ast.Call) -> Verdict | None:
     loops = _loops_around(tree, call)
     if not loops:
-        return Verdict(False, "set_epoch is called, but outside any loop: only once.",
-                       "The epoch number changes every epoch, so the call belongs inside the epoch loop.")
+        return Verdict(False, _("set_epoch is called, but outside any loop: only once."),
+                       _("The epoch number changes every epoch, so the call belongs inside the epoch loop."))
     if len(loops) > 1 or _iterates_a_loader(loops[0]):
-        return Verdict(False, "set_epoch is called inside the loop over batches.",
-                       "The order of an epoch is fixed when the DataLoader starts iterating; calling it per "
-                       "batch changes nothing for the running epoch. Move it up to the epoch loop.")
+        return Verdict(False, _("set_epoch is called inside the loop over batches."),
+                       _("The order of an epoch is fixed when the DataLoader starts iterating; calling it per "
+                         "batch changes nothing for the running epoch. Move it up to the epoch loop."))
     if not call.args and not call.keywords:
-        return Verdict(False, "set_epoch is called without an argument.",
-                       "It needs to know which epoch this is: pass the loop variable.")
+        return Verdict(False, _("set_epoch is called without an argument."),
+                       _("It needs to know which epoch this is: pass the loop variable."))
     arg = call.args[0] if call.args else call.keywords[0].value
     if isinstance(arg, ast.Constant):
-        return Verdict(False, f"set_epoch is always given the same value ({arg.value!r}).",
-                       "A constant seeds the same shuffle every epoch: pass the epoch loop variable.")
+        return Verdict(False, _("set_epoch is always given the same value ({value!r}).", value=arg.value),
+                       _("A constant seeds the same shuffle every epoch: pass the epoch loop variable."))
     inner = [n for stmt in loops[0].body for n in ast.walk(stmt)
              if isinstance(n, (ast.For, ast.AsyncFor, ast.While))]
     if inner and min(n.lineno for n in inner) < call.lineno:
-        return Verdict(False, "set_epoch runs after this epoch's batches were already drawn.",
-                       "It takes effect when the DataLoader starts iterating, so the call must come before the "
-                       "inner loop; placed after, each epoch uses the order meant for the previous one.")
+        return Verdict(False, _("set_epoch runs after this epoch's batches were already drawn."),
+                       _("It takes effect when the DataLoader starts iterating, so the call must come before the "
+                         "inner loop; placed after, each epoch uses the order meant for the previous one."))
     return None
 
 
@@ -280,22 +330,26 @@ def check_set_epoch(code) -> Verdict:
         ... ''')
         Correct: set_epoch runs once per epoch, before the batches of that epoch are drawn.
     """
+    if not callable(code) and not isinstance(code, str):  # what _source would raise, said in the learner's language
+        return Verdict(False, _("could not check that answer (TypeError: expected source code as a string or a "
+                                "function, got {answer_type}).", answer_type=type(code).__name__),
+                       _("Check the type of your answer against the exercise text."))
     try:
         tree = ast.parse(_source(code))
     except SyntaxError as e:
-        return Verdict(False, f"that code does not parse (line {e.lineno}: {e.msg}).",
-                       "Paste the whole loop, with its indentation.")
+        return Verdict(False, _("that code does not parse (line {line}: {error}).", line=e.lineno, error=e.msg),
+                       _("Paste the whole loop, with its indentation."))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "set_epoch"]
     if not calls:
-        return Verdict(False, "this loop never calls set_epoch.",
-                       "Without it the sampler's epoch stays 0, and every epoch shuffles the data into the "
-                       "same order. Which sampler method tells it the epoch has changed?")
+        return Verdict(False, _("this loop never calls set_epoch."),
+                       _("Without it the sampler's epoch stays 0, and every epoch shuffles the data into the "
+                         "same order. Which sampler method tells it the epoch has changed?"))
     for call in calls:  # a train and a validation sampler: every call must be right
         problem = _set_epoch_problem(tree, call)
         if problem is not None:
             return problem
-    return Verdict(True, "set_epoch runs once per epoch, before the batches of that epoch are drawn.")
+    return Verdict(True, _("set_epoch runs once per epoch, before the batches of that epoch are drawn."))
 
 
 @_never_raises
@@ -309,24 +363,27 @@ def check_device(answer, *, rank: int, local_rank: int, gpus_per_node: int) -> V
     """
     text = str(answer).strip().lower()
     if isinstance(answer, bool) or answer is None:
-        return Verdict(False, f"expected a device such as 'cuda:0', got {answer!r}.",
-                       "Answer with a string like 'cuda:3' (or the index as a number).")
+        return Verdict(False, _("expected a device such as 'cuda:0', got {answer!r}.", answer=answer),
+                       _("Answer with a string like 'cuda:3' (or the index as a number)."))
     index = _whole_number(answer)
     if index is None:
         if not text.startswith("cuda:") or not text[5:].isdigit():
-            return Verdict(False, f"{answer!r} is not a CUDA device.",
-                           "Write it the way torch does: 'cuda:K', where K is the GPU's index on its node.")
+            return Verdict(False, _("{answer!r} is not a CUDA device.", answer=answer),
+                           _("Write it the way torch does: 'cuda:K', where K is the GPU's index on its node."))
         index = int(text[5:])
     if index == local_rank:
-        return Verdict(True, f"cuda:{local_rank}: LOCAL_RANK {local_rank} counts the processes on this node, and "
-                             f"each node numbers its own {gpus_per_node} GPUs from 0. (RANK {rank} is the place "
-                             "in the whole job: it names the shard of data and who saves, not the GPU.)")
-    wrong = f"cuda:{index} is not the GPU this rank drives."
+        return Verdict(True, _("cuda:{local_rank}: LOCAL_RANK {local_rank} counts the processes on this node, and "
+                               "each node numbers its own {gpus_per_node} GPUs from 0. (RANK {rank} is the place "
+                               "in the whole job: it names the shard of data and who saves, not the GPU.)",
+                               local_rank=local_rank, gpus_per_node=gpus_per_node, rank=rank))
+    wrong = _("cuda:{index} is not the GPU this rank drives.", index=index)
     if index == rank:
-        hint = (f"That is the global RANK. This node has only cuda:0 to cuda:{gpus_per_node - 1}; "
-                "torchrun sets a second variable that counts the processes on this node only.")
+        hint = _("That is the global RANK. This node has only cuda:0 to cuda:{last}; "
+                 "torchrun sets a second variable that counts the processes on this node only.",
+                 last=gpus_per_node - 1)
     elif index >= gpus_per_node:
-        hint = f"This node has {gpus_per_node} GPUs, numbered from 0: a higher index does not exist here."
+        hint = _("This node has {gpus_per_node} GPUs, numbered from 0: a higher index does not exist here.",
+                 gpus_per_node=gpus_per_node)
     else:
-        hint = "Every process on a node drives the GPU whose index is its place on that node."
+        hint = _("Every process on a node drives the GPU whose index is its place on that node.")
     return Verdict(False, wrong, hint)

@@ -16,6 +16,7 @@ import numbers
 
 from helpers.calc import comm
 from helpers.notebook.exercises import Verdict, _never_raises
+from helpers.notebook.i18n import _
 
 _TOLERANCE = 0.01  # relative: a GB/s figure rounded to 2-3 digits is right
 
@@ -49,37 +50,39 @@ def check_busbw(answer, *, size_bytes: float, seconds: float, world_size: int) -
     """
     value = _real(answer)
     if value is None:
-        return Verdict(False, f"expected a number of GB/s, got {answer!r} ({type(answer).__name__}).",
-                       "Answer with a number such as 3.2 (GB/s), not a string or a list.")
+        return Verdict(False, _("expected a number of GB/s, got {answer!r} ({answer_type}).",
+                                answer=answer, answer_type=type(answer).__name__),
+                       _("Answer with a number such as 3.2 (GB/s), not a string or a list."))
     algbw, right = comm.bus_bandwidth(size_bytes, seconds, world_size)
     if _close(value, right):
-        return Verdict(True, f"algbw = {algbw:.3f} GB/s, busbw = algbw x 2(n-1)/n = {right:.3f} GB/s.")
-    wrong = f"{value:g} GB/s is not the bus bandwidth."
+        return Verdict(True, _("algbw = {algbw:.3f} GB/s, busbw = algbw x 2(n-1)/n = {right:.3f} GB/s.",
+                               algbw=algbw, right=right))
+    wrong = _("{value:g} GB/s is not the bus bandwidth.", value=value)
     n = world_size
     if _close(value, algbw):
-        return Verdict(False, wrong, "That is algbw, size / time: what your program sees. busbw corrects it for "
-                                     "how often a ring all-reduce sends each byte over the slowest link.")
+        return Verdict(False, wrong, _("That is algbw, size / time: what your program sees. busbw corrects it for "
+                                       "how often a ring all-reduce sends each byte over the slowest link."))
     gib = 2**30 / 1e9  # the same rate expressed in GiB/s is smaller by this factor
     if _close(value, right / gib) or _close(value, algbw / gib):
-        return Verdict(False, wrong, "Check the unit: nccl-tests' GB/s are 1e9 bytes per second, not 2**30. "
-                                     "Convert the message size to bytes first.")
+        return Verdict(False, wrong, _("Check the unit: nccl-tests' GB/s are 1e9 bytes per second, not 2**30. "
+                                       "Convert the message size to bytes first."))
     if _close(value, right * 1e3) or _close(value, right / 1e3) or _close(value, right * 1e6):
-        return Verdict(False, wrong, "Off by a power of 1000: check the time (seconds, not ms or us) and "
-                                     "the size (bytes), then divide by 1e9 for GB/s.")
+        return Verdict(False, wrong, _("Off by a power of 1000: check the time (seconds, not ms or us) and "
+                                       "the size (bytes), then divide by 1e9 for GB/s."))
     if n > 1 and _close(value, algbw * 2):
-        return Verdict(False, wrong, "The factor is not 2: each rank sends 2(n-1) chunks of size / n, "
-                                     "so it depends on the number of ranks.")
+        return Verdict(False, wrong, _("The factor is not 2: each rank sends 2(n-1) chunks of size / n, "
+                                       "so it depends on the number of ranks."))
     if n > 1 and _close(value, algbw * (n - 1) / n):
-        return Verdict(False, wrong, "Half of it: a ring all-reduce is a reduce-scatter AND an all-gather, "
-                                     "each moving (n-1)/n of the data.")
+        return Verdict(False, wrong, _("Half of it: a ring all-reduce is a reduce-scatter AND an all-gather, "
+                                       "each moving (n-1)/n of the data."))
     if n > 1 and _close(value, algbw * n / (2 * (n - 1))):
-        return Verdict(False, wrong, "Upside down: busbw is at least algbw for n >= 2, because the ring sends "
-                                     "more bytes over each link than the message holds.")
+        return Verdict(False, wrong, _("Upside down: busbw is at least algbw for n >= 2, because the ring sends "
+                                       "more bytes over each link than the message holds."))
     if n > 1 and _close(value, algbw * 2 * (n - 1)):
-        return Verdict(False, wrong, "Each of the 2(n-1) ring steps moves only 1/n of the message: "
-                                     "divide by n.")
-    return Verdict(False, wrong, "Two steps: algbw = size in bytes / seconds / 1e9, then multiply by the "
-                                 "all-reduce correction factor for n ranks.")
+        return Verdict(False, wrong, _("Each of the 2(n-1) ring steps moves only 1/n of the message: "
+                                       "divide by n."))
+    return Verdict(False, wrong, _("Two steps: algbw = size in bytes / seconds / 1e9, then multiply by the "
+                                   "all-reduce correction factor for n ranks."))
 
 
 def _visible_gpus(gpus_installed: int, visible_devices: str | None) -> int:
@@ -100,45 +103,50 @@ def check_launch(answer, *, gpus_installed: int, visible_devices: str | None, co
         Correct: backend nccl, 4 ranks: one per GPU this process can see.
     """
     if not (isinstance(answer, (tuple, list)) and len(answer) == 2):
-        return Verdict(False, f"expected a pair (backend, nproc), got {answer!r}.",
-                       'Answer with a tuple such as ("gloo", 2): the backend as a string, then the rank count.')
+        return Verdict(False, _("expected a pair (backend, nproc), got {answer!r}.", answer=answer),
+                       _('Answer with a tuple such as ("gloo", 2): the backend as a string, then the rank count.'))
     backend, nproc = answer
     if not isinstance(backend, str) or isinstance(nproc, bool) or not isinstance(nproc, numbers.Integral):
-        return Verdict(False, f"expected (backend as a string, nproc as a whole number), got {answer!r}.",
-                       'For example ("gloo", 2).')
+        return Verdict(False, _("expected (backend as a string, nproc as a whole number), got {answer!r}.",
+                                answer=answer),
+                       _('For example ("gloo", 2).'))
     backend, nproc = backend.strip().lower(), int(nproc)
     visible = _visible_gpus(gpus_installed, visible_devices)
     if backend not in ("nccl", "gloo", "mpi"):
-        return Verdict(False, f"{backend!r} is not a torch.distributed backend.",
-                       "Section 3 lists the backends this PyTorch build knows.")
+        return Verdict(False, _("{backend!r} is not a torch.distributed backend.", backend=backend),
+                       _("Section 3 lists the backends this PyTorch build knows."))
     if backend == "mpi":
-        return Verdict(False, "mpi exists only in PyTorch builds made with MPI (section 3 shows this one's), "
-                              "and DDP on GPUs is NCCL's job.", "Pick the backend that fits the devices the ranks use.")
+        return Verdict(False, _("mpi exists only in PyTorch builds made with MPI (section 3 shows this one's), "
+                                "and DDP on GPUs is NCCL's job."),
+                       _("Pick the backend that fits the devices the ranks use."))
     if visible:
         if backend == "gloo":
-            return Verdict(False, "gloo would run, but not well.", "gloo can carry CUDA tensors, slowly, through "
-                                  "the host. Which backend talks GPU to GPU?")
+            return Verdict(False, _("gloo would run, but not well."),
+                           _("gloo can carry CUDA tensors, slowly, through the host. Which backend talks GPU to GPU?"))
         if nproc == visible:
-            return Verdict(True, f"backend nccl, {visible} ranks: one per GPU this process can see.")
+            return Verdict(True, _("backend nccl, {visible} ranks: one per GPU this process can see.", visible=visible))
         if nproc == gpus_installed and visible != gpus_installed:
-            return Verdict(False, f"{nproc} ranks: more than this process can use.",
-                           "nvidia-smi counts the installed GPUs; CUDA_VISIBLE_DEVICES decides which ones a process "
-                           "sees. Count the devices it names.")
+            return Verdict(False, _("{nproc} ranks: more than this process can use.", nproc=nproc),
+                           _("nvidia-smi counts the installed GPUs; CUDA_VISIBLE_DEVICES decides which ones a process "
+                             "sees. Count the devices it names."))
         if nproc == cores:
-            return Verdict(False, f"{nproc} ranks: one per core.", "With GPUs, a rank drives one GPU; the cores "
-                                  "only feed it. How many GPUs can the ranks use?")
+            return Verdict(False, _("{nproc} ranks: one per core.", nproc=nproc),
+                           _("With GPUs, a rank drives one GPU; the cores only feed it. How many GPUs can the ranks "
+                             "use?"))
         if nproc > visible:
-            return Verdict(False, f"{nproc} ranks: more ranks than visible GPUs.",
-                           "NCCL needs a GPU of its own for each rank (the course refuses more ranks than GPUs).")
-        return Verdict(False, f"{nproc} ranks leave GPUs idle.", "DDP runs one rank per GPU: use every GPU the "
-                                                                 "process can see.")
+            return Verdict(False, _("{nproc} ranks: more ranks than visible GPUs.", nproc=nproc),
+                           _("NCCL needs a GPU of its own for each rank (the course refuses more ranks than GPUs)."))
+        return Verdict(False, _("{nproc} ranks leave GPUs idle.", nproc=nproc),
+                       _("DDP runs one rank per GPU: use every GPU the process can see."))
     if backend == "nccl":
-        return Verdict(False, "nccl needs a GPU, and this process sees none.",
-                       "Count the GPUs the process can see, not the ones installed: an empty CUDA_VISIBLE_DEVICES "
-                       "hides them all." if gpus_installed else "Which backend runs on CPUs?")
+        return Verdict(False, _("nccl needs a GPU, and this process sees none."),
+                       _("Count the GPUs the process can see, not the ones installed: an empty CUDA_VISIBLE_DEVICES "
+                         "hides them all.") if gpus_installed else _("Which backend runs on CPUs?"))
     if 1 <= nproc <= cores:
-        return Verdict(True, f"backend gloo, {nproc} rank(s) on {cores} cores: the ranks share the CPU.")
+        return Verdict(True, _("backend gloo, {nproc} rank(s) on {cores} cores: the ranks share the CPU.",
+                               nproc=nproc, cores=cores))
     if nproc < 1:
-        return Verdict(False, f"{nproc} ranks cannot run anything.", "A job needs at least one rank.")
-    return Verdict(False, f"{nproc} ranks on {cores} cores overcommit the CPU.",
-                   "Each CPU rank needs at least one core of its own, or the ranks slow each other down.")
+        return Verdict(False, _("{nproc} ranks cannot run anything.", nproc=nproc),
+                       _("A job needs at least one rank."))
+    return Verdict(False, _("{nproc} ranks on {cores} cores overcommit the CPU.", nproc=nproc, cores=cores),
+                   _("Each CPU rank needs at least one core of its own, or the ranks slow each other down."))

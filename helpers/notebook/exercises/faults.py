@@ -22,6 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..i18n import _
 from . import Verdict, _never_raises, _whole_number
 
 # --- 06, exercise 1: where a restart resumes ---------------------------------------------------------------------
@@ -51,36 +52,41 @@ def check_resume_point(answer, *, snapshot_every: int, fault_step: int) -> Verdi
     """
     got = _pair(answer)
     if got is None:
-        return Verdict(False, f"expected two whole numbers (resume_step, redone), got {answer!r}.",
-                       "Answer with a tuple such as (40, 3).")
+        return Verdict(False, _("expected two whole numbers (resume_step, redone), got {answer!r}.", answer=answer),
+                       _("Answer with a tuple such as (40, 3)."))
     resume, redone = got
     right = ((fault_step - 1) // snapshot_every) * snapshot_every if fault_step > 0 else 0
     right_redone = fault_step - right
     if (resume, redone) == (right, right_redone):
-        return Verdict(True, f"the newest snapshot on disk is step {right}'s; the restart trains steps {right + 1} "
-                             f"to {fault_step} again ({right_redone} step{'s' if right_redone != 1 else ''}).")
+        if right_redone == 1:
+            return Verdict(True, _("the newest snapshot on disk is step {right}'s; the restart trains steps {first} "
+                                   "to {fault_step} again ({redone} step).",
+                                   right=right, first=right + 1, fault_step=fault_step, redone=right_redone))
+        return Verdict(True, _("the newest snapshot on disk is step {right}'s; the restart trains steps {first} "
+                               "to {fault_step} again ({redone} steps).",
+                               right=right, first=right + 1, fault_step=fault_step, redone=right_redone))
     if resume != right:
-        wrong = f"the restart does not resume from step {resume}."
+        wrong = _("the restart does not resume from step {resume}.", resume=resume)
         if resume == fault_step and fault_step % snapshot_every == 0:
-            return Verdict(False, wrong, "Look at the order of the lines after each step in the script's loop: "
-                                         "does the fault injector run before or after that step's snapshot is "
-                                         "written?")
+            return Verdict(False, wrong, _("Look at the order of the lines after each step in the script's loop: "
+                                           "does the fault injector run before or after that step's snapshot is "
+                                           "written?"))
         if resume >= fault_step:
-            return Verdict(False, wrong, "A restart starts new processes with empty memory: it can only load a "
-                                         "snapshot written before the rank died.")
+            return Verdict(False, wrong, _("A restart starts new processes with empty memory: it can only load a "
+                                           "snapshot written before the rank died."))
         if resume % snapshot_every:
-            return Verdict(False, wrong, "Snapshots are written only on multiples of --snapshot-every.")
+            return Verdict(False, wrong, _("Snapshots are written only on multiples of --snapshot-every."))
         if resume < right:
-            return Verdict(False, wrong, "Every rank loads the NEWEST snapshot on disk (the script keeps two); is "
-                                         "there a later one than that?")
-        return Verdict(False, wrong, "Find the last step, at or before the fault, whose snapshot was written.")
+            return Verdict(False, wrong, _("Every rank loads the NEWEST snapshot on disk (the script keeps two); is "
+                                           "there a later one than that?"))
+        return Verdict(False, wrong, _("Find the last step, at or before the fault, whose snapshot was written."))
     if redone == fault_step - resume - 1:
-        return Verdict(False, f"right snapshot, but not {redone} steps redone.",
-                       "The step the rank finished just before it died is lost too: count every step after the "
-                       "snapshot's, up to and including the fault step.")
-    return Verdict(False, f"right snapshot, but not {redone} steps redone.",
-                   "The snapshot holds the state after its step; everything after it, up to the fault, is trained "
-                   "again.")
+        return Verdict(False, _("right snapshot, but not {redone} steps redone.", redone=redone),
+                       _("The step the rank finished just before it died is lost too: count every step after the "
+                         "snapshot's, up to and including the fault step."))
+    return Verdict(False, _("right snapshot, but not {redone} steps redone.", redone=redone),
+                   _("The snapshot holds the state after its step; everything after it, up to the fault, is trained "
+                     "again."))
 
 
 # --- 06, exercise 2: an atomic save ------------------------------------------------------------------------------
@@ -109,8 +115,9 @@ def check_atomic_save(save) -> Verdict:
     import torch
 
     if not callable(save):
-        return Verdict(False, f"expected a function save(state, path), got {type(save).__name__}.",
-                       "Define the function in the answer cell and pass it, without calling it.")
+        return Verdict(False, _("expected a function save(state, path), got {answer_type}.",
+                                answer_type=type(save).__name__),
+                       _("Define the function in the answer cell and pass it, without calling it."))
     real_save, real_replace, real_rename, real_fsync = torch.save, os.replace, os.rename, os.fsync
     log: list = []
 
@@ -151,17 +158,18 @@ def check_atomic_save(save) -> Verdict:
             try:
                 save(first, str(path))
             except Exception as e:  # noqa: BLE001 - the learner's code failed: say so
-                return Verdict(False, f"a normal save raised {type(e).__name__}: {e}",
-                               "Run your function once by hand on a small dict and a path, and read the error.")
+                return Verdict(False, _("a normal save raised {error_type}: {error}", error_type=type(e).__name__,
+                                        error=e),
+                               _("Run your function once by hand on a small dict and a path, and read the error."))
             try:
                 back = torch.load(path, weights_only=True)
             except Exception:  # noqa: BLE001
-                return Verdict(False, "after a normal save, there is no readable file at the path.",
-                               "Whatever happens in between, the snapshot must end up under the name it was asked "
-                               "for.")
+                return Verdict(False, _("after a normal save, there is no readable file at the path."),
+                               _("Whatever happens in between, the snapshot must end up under the name it was asked "
+                                 "for."))
             if back.get("step") != 10 or not torch.equal(back["w"], first["w"]):
-                return Verdict(False, "the file at the path does not hold the state that was saved.",
-                               "Save the state you are given.")
+                return Verdict(False, _("the file at the path does not hold the state that was saved."),
+                               _("Save the state you are given."))
             normal = list(log)
             log.clear()
             torch.save = crashing_save
@@ -175,37 +183,37 @@ def check_atomic_save(save) -> Verdict:
         except Exception:  # noqa: BLE001 - a torn file is exactly what this detects
             intact = False
         if not intact:
-            return Verdict(False, "a crash half-way through the second save left a corrupt file where the first "
-                                  "one was.",
-                           "Writing straight to the final name destroys the old file before the new one is "
-                           "complete. Write somewhere else first, and only put the finished file in place, in one "
-                           "step that cannot be half done.")
+            return Verdict(False, _("a crash half-way through the second save left a corrupt file where the first "
+                                    "one was."),
+                           _("Writing straight to the final name destroys the old file before the new one is "
+                             "complete. Write somewhere else first, and only put the finished file in place, in one "
+                             "step that cannot be half done."))
         renames = [e for e in normal if e[0] == "rename"]
         saves = [e for e in normal if e[0] == "save"]
         if not renames:
-            return Verdict(False, "the file survived, but the final name is never produced by a rename.",
-                           "Copying the finished file into place is not atomic either: a crash during the copy "
-                           "tears it. Which os call moves a file to a new name in one step?")
+            return Verdict(False, _("the file survived, but the final name is never produced by a rename."),
+                           _("Copying the finished file into place is not atomic either: a crash during the copy "
+                             "tears it. Which os call moves a file to a new name in one step?"))
         target = renames[-1]
         if Path(target[2]).resolve() != path.resolve():
-            return Verdict(False, "the last rename does not produce the snapshot's name.",
-                           "Rename the finished temporary file onto the path you were given.")
+            return Verdict(False, _("the last rename does not produce the snapshot's name."),
+                           _("Rename the finished temporary file onto the path you were given."))
         if Path(target[1]).resolve().parent != path.resolve().parent:
-            return Verdict(False, "the temporary file is in another folder than the snapshot.",
-                           "A rename is atomic only within one filesystem; across them it becomes a copy. Put the "
-                           "temporary file next to the target.")
+            return Verdict(False, _("the temporary file is in another folder than the snapshot."),
+                           _("A rename is atomic only within one filesystem; across them it becomes a copy. Put the "
+                             "temporary file next to the target."))
         if saves and saves[0][1] is not None and Path(saves[0][1]).resolve() == path.resolve():
-            return Verdict(False, "the state is first written to the snapshot's own name.",
-                           "Write the new state under another name first.")
+            return Verdict(False, _("the state is first written to the snapshot's own name."),
+                           _("Write the new state under another name first."))
         rename_at = normal.index(target)
         if not any(e[0] == "fsync" for e in normal[:rename_at]):
-            return Verdict(False, "the file is renamed into place without an fsync first.",
-                           "After a power loss the rename can be on disk while the data is still in the page "
-                           "cache: flush the file and fsync it before renaming.")
+            return Verdict(False, _("the file is renamed into place without an fsync first."),
+                           _("After a power loss the rename can be on disk while the data is still in the page "
+                             "cache: flush the file and fsync it before renaming."))
         leftovers = [p.name for p in path.parent.iterdir() if p.name != path.name]
         if leftovers:
-            return Verdict(False, f"the failed save left {len(leftovers)} other file(s) in the folder.",
-                           "Not fatal, but a folder fills up with torn temporaries: remove the temporary file when "
-                           "the write fails (try/except, then re-raise).")
-    return Verdict(True, "a crash mid-write leaves the previous file intact; the data is fsynced, then renamed "
-                         "into place within its folder.")
+            return Verdict(False, _("the failed save left {count} other file(s) in the folder.", count=len(leftovers)),
+                           _("Not fatal, but a folder fills up with torn temporaries: remove the temporary file when "
+                             "the write fails (try/except, then re-raise)."))
+    return Verdict(True, _("a crash mid-write leaves the previous file intact; the data is fsynced, then renamed "
+                           "into place within its folder."))

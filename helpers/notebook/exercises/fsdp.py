@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from ..i18n import _
 from . import Verdict, _never_raises, _whole_number
 
 
@@ -45,45 +46,51 @@ def check_sharding_units(units, *, layer_params: Mapping[str, int], budget_param
     order = list(layer_params)
     if isinstance(units, (str, bytes)) or not isinstance(units, (list, tuple)) or not all(
             isinstance(u, (list, tuple)) and not isinstance(u, (str, bytes)) for u in units):
-        return Verdict(False, f"expected a list of lists of layer names, got {units!r}.",
-                       "Write each unit as a list of the layer names it wraps, e.g. [[\"conv1\"], [\"conv2\", ...]].")
+        return Verdict(False, _("expected a list of lists of layer names, got {answer!r}.", answer=units),
+                       _("Write each unit as a list of the layer names it wraps, e.g. [[\"conv1\"], [\"conv2\", "
+                         "...]]."))
     flat = [name for u in units for name in u]
     unknown = [n for n in flat if n not in layer_params]
     if unknown:
-        return Verdict(False, f"{unknown} {'is' if len(unknown) == 1 else 'are'} not layers of this model.",
-                       f"The layers are: {', '.join(order)}.")
+        if len(unknown) == 1:
+            return Verdict(False, _("{unknown} is not layers of this model.", unknown=unknown),
+                           _("The layers are: {layers}.", layers=", ".join(order)))
+        return Verdict(False, _("{unknown} are not layers of this model.", unknown=unknown),
+                       _("The layers are: {layers}.", layers=", ".join(order)))
     if any(not u for u in units):
-        return Verdict(False, "one of the units is empty.", "Every fully_shard call wraps at least one layer.")
+        return Verdict(False, _("one of the units is empty."), _("Every fully_shard call wraps at least one layer."))
     missing = [n for n in order if n not in flat]
     twice = sorted({n for n in flat if flat.count(n) > 1})
     if twice:
-        return Verdict(False, f"{twice} appear in more than one unit.",
-                       "A parameter belongs to exactly one FSDP module: the innermost fully_shard that wraps it.")
+        return Verdict(False, _("{layers} appear in more than one unit.", layers=twice),
+                       _("A parameter belongs to exactly one FSDP module: the innermost fully_shard that wraps it."))
     if missing:
-        return Verdict(False, f"{missing} are in no unit.",
-                       "Left out, they would fall to the root unit, which is gathered for the whole step. Put every "
-                       "layer in a unit.")
+        return Verdict(False, _("{layers} are in no unit.", layers=missing),
+                       _("Left out, they would fall to the root unit, which is gathered for the whole step. Put every "
+                         "layer in a unit."))
     if flat != order:
-        return Verdict(False, "the layers are not grouped in model order.",
-                       "A unit is one module (a block of consecutive layers), so each unit is a contiguous run of "
-                       "layers in forward order.")
+        return Verdict(False, _("the layers are not grouped in model order."),
+                       _("A unit is one module (a block of consecutive layers), so each unit is a contiguous run of "
+                         "layers in forward order."))
     gathered = [sum(layer_params[n] for n in u) for u in units]
     fewest = _fewest_units([layer_params[n] for n in order], budget_params)
     if fewest is None:
-        return Verdict(False, "this model has a single layer larger than the budget.",
-                       "No grouping fits then: a layer is the smallest unit fully_shard can gather.")
+        return Verdict(False, _("this model has a single layer larger than the budget."),
+                       _("No grouping fits then: a layer is the smallest unit fully_shard can gather."))
     worst = max(range(len(units)), key=lambda i: gathered[i])
     if gathered[worst] > budget_params:
-        return Verdict(False, f"unit {units[worst]} gathers {gathered[worst]:,} parameters, more than the budget of "
-                              f"{budget_params:,}.",
-                       "Split the largest unit: a unit's parameters are all gathered at once during its forward.")
+        return Verdict(False, _("unit {unit} gathers {gathered:,} parameters, more than the budget of "
+                                "{budget_params:,}.",
+                                unit=units[worst], gathered=gathered[worst], budget_params=budget_params),
+                       _("Split the largest unit: a unit's parameters are all gathered at once during its forward."))
     if len(units) > fewest:
-        return Verdict(False, f"every unit fits, but {len(units)} units mean {len(units)} all-gathers per forward; "
-                              "fewer would do.",
-                       "Each unit is one collective per forward and per backward, and small collectives waste "
-                       "latency: merge neighbours as long as the merged unit still fits.")
-    return Verdict(True, f"{len(units)} units, the largest gathers {gathered[worst]:,} of the "
-                         f"{budget_params:,}-parameter budget; no grouping that fits has fewer all-gathers.")
+        return Verdict(False, _("every unit fits, but {units} units mean {units} all-gathers per forward; "
+                                "fewer would do.", units=len(units)),
+                       _("Each unit is one collective per forward and per backward, and small collectives waste "
+                         "latency: merge neighbours as long as the merged unit still fits."))
+    return Verdict(True, _("{units} units, the largest gathers {gathered:,} of the "
+                           "{budget_params:,}-parameter budget; no grouping that fits has fewer all-gathers.",
+                           units=len(units), gathered=gathered[worst], budget_params=budget_params))
 
 
 @_never_raises
@@ -97,21 +104,24 @@ def check_resume_batch(answer, *, global_batch: int, old_world_size: int, new_wo
     """
     value = _whole_number(answer)
     if value is None:
-        return Verdict(False, f"expected a whole number of samples per rank, got {answer!r}.",
-                       "Answer with the number you would pass to --batch-size.")
+        return Verdict(False, _("expected a whole number of samples per rank, got {answer!r}.", answer=answer),
+                       _("Answer with the number you would pass to --batch-size."))
     if global_batch % new_world_size:
-        return Verdict(False, f"no per-rank batch keeps a global batch of {global_batch} on {new_world_size} ranks.",
-                       "The global batch has to be a multiple of the new world size.")
+        return Verdict(False, _("no per-rank batch keeps a global batch of {global_batch} on {new_world_size} ranks.",
+                                global_batch=global_batch, new_world_size=new_world_size),
+                       _("The global batch has to be a multiple of the new world size."))
     right = global_batch // new_world_size
     if value == right:
-        return Verdict(True, f"{value} samples x {new_world_size} ranks = the same {global_batch}-sample global "
-                             "batches, in the same order: DistributedSampler's rank-strided shards of one batch "
-                             "together are always the same slice of the shuffled order.")
-    wrong = f"--batch-size {value} on {new_world_size} ranks does not continue the same global batches."
+        return Verdict(True, _("{value} samples x {new_world_size} ranks = the same {global_batch}-sample global "
+                               "batches, in the same order: DistributedSampler's rank-strided shards of one batch "
+                               "together are always the same slice of the shuffled order.",
+                               value=value, new_world_size=new_world_size, global_batch=global_batch))
+    wrong = _("--batch-size {value} on {new_world_size} ranks does not continue the same global batches.",
+              value=value, new_world_size=new_world_size)
     if value == global_batch // old_world_size:
-        return Verdict(False, wrong, "That is the old per-rank batch. With more ranks it makes every step's global "
-                                     "batch larger, and the step count no longer lines up with the checkpoint's.")
+        return Verdict(False, wrong, _("That is the old per-rank batch. With more ranks it makes every step's global "
+                                       "batch larger, and the step count no longer lines up with the checkpoint's."))
     if value == global_batch:
-        return Verdict(False, wrong, "--batch-size is per rank; the global batch is that times WORLD_SIZE.")
-    return Verdict(False, wrong, "What stays fixed across the resume is the global batch; the per-rank batch is "
-                                 "what you change to keep it.")
+        return Verdict(False, wrong, _("--batch-size is per rank; the global batch is that times WORLD_SIZE."))
+    return Verdict(False, wrong, _("What stays fixed across the resume is the global batch; the per-rank batch is "
+                                   "what you change to keep it."))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+from ..i18n import _
 from . import Verdict, _never_raises
 
 # --- 05, exercise 1: the accumulation step -----------------------------------------------------------------------
@@ -126,10 +127,10 @@ def check_accumulation_step(train_step, micro_batches: int = 4) -> Verdict:
     import torch.nn.functional as F
 
     if not callable(train_step):
-        return Verdict(False, f"expected a function train_step(model, optimizer, micro_batches), got "
-                              f"{type(train_step).__name__}.",
-                       "Define the function in the answer cell (def train_step(...): ...) and pass it, "
-                       "without calling it.")
+        return Verdict(False, _("expected a function train_step(model, optimizer, micro_batches), got "
+                                "{answer_type}.", answer_type=type(train_step).__name__),
+                       _("Define the function in the answer cell (def train_step(...): ...) and pass it, "
+                         "without calling it."))
     n = int(micro_batches)
     model, x, y = _accumulation_setup(n, 5)
     events: list = []
@@ -138,31 +139,32 @@ def check_accumulation_step(train_step, micro_batches: int = 4) -> Verdict:
     try:
         train_step(ddp, optimizer, batches)
     except Exception as e:  # noqa: BLE001 - the learner's code failed: say so, with its error
-        return Verdict(False, f"calling train_step raised {type(e).__name__}: {e}",
-                       "Run the cell and read the error; the function receives a model, an optimizer and a list "
-                       "of (inputs, labels) micro batches.")
-    kinds = [k for k, _ in events]
+        return Verdict(False, _("calling train_step raised {error_type}: {error}", error_type=type(e).__name__,
+                                error=e),
+                       _("Run the cell and read the error; the function receives a model, an optimizer and a list "
+                         "of (inputs, labels) micro batches."))
+    kinds = [k for k, _unused in events]
     backwards = [syncs for k, syncs in events if k == "backward"]
     steps = kinds.count("step")
     if not backwards:
-        return Verdict(False, "no backward pass ran.", "Each micro batch needs its loss's backward().")
+        return Verdict(False, _("no backward pass ran."), _("Each micro batch needs its loss's backward()."))
     if steps == 0:
-        return Verdict(False, "optimizer.step() never ran.", "Accumulating is not skipping the update: step once, "
-                                                            "after the last micro batch.")
+        return Verdict(False, _("optimizer.step() never ran."),
+                       _("Accumulating is not skipping the update: step once, after the last micro batch."))
     if steps > 1:
-        return Verdict(False, f"optimizer.step() ran {steps} times for {n} micro batches.",
-                       "That is several small updates, not one big-batch update: step once, after the loop over "
-                       "micro batches.")
+        return Verdict(False, _("optimizer.step() ran {steps} times for {n} micro batches.", steps=steps, n=n),
+                       _("That is several small updates, not one big-batch update: step once, after the loop over "
+                         "micro batches."))
     first_bw, step_at = kinds.index("backward"), kinds.index("step")
     if "zero_grad" in kinds[first_bw:step_at]:
-        return Verdict(False, "gradients are zeroed between micro batches.",
-                       "zero_grad throws away what earlier micro batches added: zero once, before the first one.")
+        return Verdict(False, _("gradients are zeroed between micro batches."),
+                       _("zero_grad throws away what earlier micro batches added: zero once, before the first one."))
     if step_at < len(kinds) - 1 - kinds[::-1].index("backward"):
-        return Verdict(False, "optimizer.step() runs before the last backward.",
-                       "The step must see the gradients of every micro batch.")
+        return Verdict(False, _("optimizer.step() runs before the last backward."),
+                       _("The step must see the gradients of every micro batch."))
     if len(backwards) != n:
-        return Verdict(False, f"{len(backwards)} backward passes for {n} micro batches.",
-                       "One forward and one backward per micro batch, each on its own micro batch.")
+        return Verdict(False, _("{backwards} backward passes for {n} micro batches.", backwards=len(backwards), n=n),
+                       _("One forward and one backward per micro batch, each on its own micro batch."))
     # the gradient: compare with the big batch's mean gradient
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
@@ -171,34 +173,35 @@ def check_accumulation_step(train_step, micro_batches: int = 4) -> Verdict:
     if not torch.allclose(got, right, rtol=1e-4, atol=1e-6):
         ratio = float(got.norm() / right.norm()) if right.norm() > 0 else float("nan")
         if math.isclose(ratio, n, rel_tol=1e-3):
-            return Verdict(False, f"the accumulated gradient is {n:.1f}x the big batch's mean gradient.",
-                           "backward() adds into .grad, so the micro gradients are summed: what must each micro "
-                           "loss be scaled by for the sum to be the mean over the whole batch?")
+            return Verdict(False, _("the accumulated gradient is {n:.1f}x the big batch's mean gradient.", n=n),
+                           _("backward() adds into .grad, so the micro gradients are summed: what must each micro "
+                             "loss be scaled by for the sum to be the mean over the whole batch?"))
         if math.isclose(ratio, 1 / n, rel_tol=1e-3):
-            return Verdict(False, f"the accumulated gradient is 1/{n} of the big batch's mean gradient.",
-                           "The loss is scaled twice (or by the square): scale each micro loss once.")
-        return Verdict(False, "the gradient the optimizer steps with is not the big batch's mean gradient.",
-                       "Each micro batch contributes its own loss's gradient, scaled so that the sum over the "
-                       "micro batches is the mean over the whole batch.")
+            return Verdict(False, _("the accumulated gradient is 1/{n} of the big batch's mean gradient.", n=n),
+                           _("The loss is scaled twice (or by the square): scale each micro loss once."))
+        return Verdict(False, _("the gradient the optimizer steps with is not the big batch's mean gradient."),
+                       _("Each micro batch contributes its own loss's gradient, scaled so that the sum over the "
+                         "micro batches is the mean over the whole batch."))
     syncing = sum(backwards)
     if syncing == n and n > 1:
-        return Verdict(False, f"all {n} backward passes all-reduce: {n} all-reduces of the full gradient for one "
-                              "optimizer step.",
-                       "The gradient is right, but DDP communicates after every backward unless told not to. Which "
-                       "DDP context manager lets gradients add up locally? Use it on all micro batches but one.")
+        return Verdict(False, _("all {n} backward passes all-reduce: {n} all-reduces of the full gradient for one "
+                                "optimizer step.", n=n),
+                       _("The gradient is right, but DDP communicates after every backward unless told not to. Which "
+                         "DDP context manager lets gradients add up locally? Use it on all micro batches but one."))
     if syncing == 0:
-        return Verdict(False, "no backward pass all-reduces: every micro batch ran inside no_sync().",
-                       "Then the ranks never exchange gradients and their weights drift apart: the last micro "
-                       "batch's forward and backward must run outside it.")
+        return Verdict(False, _("no backward pass all-reduces: every micro batch ran inside no_sync()."),
+                       _("Then the ranks never exchange gradients and their weights drift apart: the last micro "
+                         "batch's forward and backward must run outside it."))
     if syncing > 1:
-        return Verdict(False, f"{syncing} of {n} backward passes all-reduce.",
-                       "One all-reduce per optimizer step is enough: keep every micro batch but the last inside it.")
+        return Verdict(False, _("{syncing} of {n} backward passes all-reduce.", syncing=syncing, n=n),
+                       _("One all-reduce per optimizer step is enough: keep every micro batch but the last inside "
+                         "it."))
     if not backwards[-1]:
-        return Verdict(False, "the all-reducing backward is not the last one.",
-                       "Gradients added after the all-reduce stay on their own rank: the micro batch outside "
-                       "no_sync() must be the last.")
-    return Verdict(True, f"{n} backward passes, one all-reduce with the last, one optimizer step, and the big "
-                         "batch's mean gradient.")
+        return Verdict(False, _("the all-reducing backward is not the last one."),
+                       _("Gradients added after the all-reduce stay on their own rank: the micro batch outside "
+                         "no_sync() must be the last."))
+    return Verdict(True, _("{n} backward passes, one all-reduce with the last, one optimizer step, and the big "
+                           "batch's mean gradient.", n=n))
 
 
 # --- 05, exercise 2: DeepSpeed's WarmupLR ----------------------------------------------------------------------
@@ -226,24 +229,25 @@ def check_warmup_lr(answer, *, step: int, lr: float, warmup_steps: int) -> Verdi
 
     value = _number(answer)
     if value is None:
-        return Verdict(False, f"expected a learning rate (a number), got {answer!r} ({type(answer).__name__}).",
-                       "Answer with a number such as 0.0005.")
+        return Verdict(False, _("expected a learning rate (a number), got {answer!r} ({answer_type}).",
+                                answer=answer, answer_type=type(answer).__name__),
+                       _("Answer with a number such as 0.0005."))
     right = deepspeed_warmup_lr(step, lr, warmup_steps)
     same = lambda a, b: math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-12)  # noqa: E731
     if same(value, right):
-        return Verdict(True, f"DeepSpeed's step {step} runs at {right:g} (WarmupLR counts from the step after it "
-                             "is built).")
-    wrong = f"{value:g} is not the rate of DeepSpeed's step {step}."
+        return Verdict(True, _("DeepSpeed's step {step} runs at {right:g} (WarmupLR counts from the step after it "
+                               "is built).", step=step, right=right))
+    wrong = _("{value:g} is not the rate of DeepSpeed's step {step}.", value=value, step=step)
     if same(value, torch_warmup_lr(step, lr, warmup_steps)):
-        return Verdict(False, wrong, "That is LambdaLR's rate for this step. Compare the two lists of first rates "
-                                     "printed in section 3: which one is behind, and by how much?")
+        return Verdict(False, wrong, _("That is LambdaLR's rate for this step. Compare the two lists of first rates "
+                                       "printed in section 3: which one is behind, and by how much?"))
     if same(value, lr):
-        return Verdict(False, wrong, "That is the full rate: is this step past the end of the warmup?")
+        return Verdict(False, wrong, _("That is the full rate: is this step past the end of the warmup?"))
     if step >= 1 and same(value, deepspeed_warmup_lr(step - 1, lr, warmup_steps)) or \
             same(value, deepspeed_warmup_lr(step + 1, lr, warmup_steps)):
-        return Verdict(False, wrong, "One step off: write the rates of the first three steps down, then count on.")
+        return Verdict(False, wrong, _("One step off: write the rates of the first three steps down, then count on."))
     if warmup_steps > 1 and same(value, lr * math.log(max(step, 1)) / math.log(warmup_steps)):
-        return Verdict(False, wrong, "That is the log schedule (WarmupLR's default warmup_type); this config asks "
-                                     "for \"linear\".")
-    return Verdict(False, wrong, "The linear warmup rises from warmup_min_lr (0) to the full rate in equal "
-                                 "steps; find which point of that ramp this step is at.")
+        return Verdict(False, wrong, _("That is the log schedule (WarmupLR's default warmup_type); this config asks "
+                                       "for \"linear\"."))
+    return Verdict(False, wrong, _("The linear warmup rises from warmup_min_lr (0) to the full rate in equal "
+                                   "steps; find which point of that ramp this step is at."))
