@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.course-installed
 PROFILE ?= auto
 NBVAL   := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 600
 
-.PHONY: setup course test unit nbtest lab regen bench clean
+.PHONY: setup course test unit nbtest lab lab-zh regen translate bench clean
 
 setup: $(STAMP)
 
@@ -30,16 +30,29 @@ unit: setup
 	$(VENV)/bin/lint-imports --no-cache   # the rank / kernel / calc line (pyproject.toml)
 	$(PY) -m pytest tests -q
 
-nbtest: setup          # no live progress bars: the committed outputs have none (helpers/launch/session.py)
-	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider
+# no live progress bars: the committed outputs have none (helpers/launch/session.py). The English notebooks only:
+# notebooks/zh/ holds the same cells and outputs (tests/test_translations.py proves it), so nbval runs once.
+nbtest: setup
+	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks/[0-9]*.ipynb -q -p no:cacheprovider
 
 lab: setup             ## JupyterLab on the course
 	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_environment_check.ipynb
 
-regen: setup           ## instructors: re-execute notebooks in place, strip volatile metadata
+# JupyterLab in Chinese on the Chinese edition. Its settings live in build/lab-zh (your own JupyterLab settings are
+# not read there); in any JupyterLab, Settings > Language > 中文 (简体, 中国) switches the same way.
+LAB_ZH := build/lab-zh/settings
+lab-zh: setup          ## JupyterLab in Chinese on notebooks/zh (中文版)
+	@mkdir -p $(LAB_ZH)/@jupyterlab/translation-extension
+	@echo '{"locale": "zh_CN"}' > $(LAB_ZH)/@jupyterlab/translation-extension/plugin.jupyterlab-settings
+	JUPYTERLAB_SETTINGS_DIR=$(LAB_ZH) $(VENV)/bin/jupyter lab --notebook-dir=. notebooks/zh/00_environment_check.ipynb
+
+regen: setup           ## instructors: re-execute notebooks in place, strip volatile metadata, rebuild notebooks/zh
 	$(PY) -m helpers regen --profile $(PROFILE)
 	@# what a reviewer should read: changed check lines and compared outputs, not timings and images
 	@$(PY) -m helpers.notebook.regen_diff || true
+
+translate: setup       ## Chinese edition: update translations/zh_CN/*.po from the English, build notebooks/zh/
+	$(PY) -m helpers translate
 
 bench: setup           ## benchmarks: printed ratios, not pass/fail tests
 	$(PY) benchmarks/bench_launcher.py

@@ -1,5 +1,6 @@
 """What a learner sees: JupyterLab in a real browser opens every notebook on the course kernel, runs notebook 00
-without an error, and the ZeRO memory calculator answers its "parameters (B)" slider.
+without an error, and the ZeRO memory calculator answers its "parameters (B)" slider; a Chinese JupyterLab opens
+a Chinese notebook with its Chinese heading and the same working widget.
 
 Drives Debian's Chromium (/usr/bin/chromium) with Playwright against a throwaway JupyterLab on a copy of the course.
 Screenshots go to build/browser/. Skipped, with the reason, only where Chromium or Playwright is missing.
@@ -148,31 +149,73 @@ def _figures(text: str) -> tuple[float, float]:
     return float(count) / (1000 if unit == "M" else 1), float(total)
 
 
+def _drive_calculator(view, page, cells, shot: str) -> tuple[float, float, float, float]:
+    """Run the calculator's cells, press the "parameters (B)" slider six steps right; (B before, B after, GB
+    before, GB after) once its table has changed and settled."""
+    view.open()
+    view.run_cells(cells, timeout_s=300)
+    calculator = page.locator(".zero-calculator").first
+    result = page.locator(".zero-calculator-result").first
+    result.wait_for(state="visible")
+    calculator.scroll_into_view_if_needed()
+    before = result.inner_text()
+    view.screenshot(SHOTS / f"{shot}-before.png", element=calculator)
+
+    slider = calculator.locator(".widget-slider", has=page.locator("label", has_text="parameters (B)"))
+    slider.locator(".noUi-handle").focus()
+    for _ in range(6):  # each step is 0.05 in log10: x1.12 per press, about x2 in all
+        page.keyboard.press("ArrowRight")
+    after = _settled_text(result, differing_from=before, timeout_s=30)
+    view.screenshot(SHOTS / f"{shot}-after.png", element=calculator)
+
+    assert after != before, "the calculator's table did not change when the slider moved"
+    (params_before, total_before), (params_after, total_after) = _figures(before), _figures(after)
+    assert params_after > params_before
+    assert total_after > total_before
+    return params_before, params_after, total_before, total_after
+
+
 def test_zero_calculator_follows_the_parameters_slider(lab, page):
     path, cells = _calculator_cells(Path(lab.root_dir))
     view = NotebookPage(page, lab, path)
     try:
-        view.open()
-        view.run_cells(cells, timeout_s=300)
-        calculator = page.locator(".zero-calculator").first
-        result = page.locator(".zero-calculator-result").first
-        result.wait_for(state="visible")
-        calculator.scroll_into_view_if_needed()
-        before = result.inner_text()
-        view.screenshot(SHOTS / "zero-calculator-before.png", element=calculator)
+        p0, p1, t0, t1 = _drive_calculator(view, page, cells, "zero-calculator")
+        print(f"\n{path}: slider {p0:g}B -> {p1:g}B parameters, paper total per device {t0:g} -> {t1:g} GB")
+    finally:
+        view.shutdown_kernel()
 
-        slider = calculator.locator(".widget-slider", has=page.locator("label", has_text="parameters (B)"))
-        slider.locator(".noUi-handle").focus()
-        for _ in range(6):  # each step is 0.05 in log10: x1.12 per press, about x2 in all
-            page.keyboard.press("ArrowRight")
-        after = _settled_text(result, differing_from=before, timeout_s=30)
-        view.screenshot(SHOTS / "zero-calculator-after.png", element=calculator)
 
-        assert after != before, "the calculator's table did not change when the slider moved"
-        (params_before, total_before), (params_after, total_after) = _figures(before), _figures(after)
-        assert params_after > params_before
-        assert total_after > total_before
-        print(f"\n{path}: slider {params_before:g}B -> {params_after:g}B parameters, "
-              f"paper total per device {total_before:g} -> {total_after:g} GB")
+@pytest.fixture(scope="module")
+def lab_zh(tmp_path_factory):
+    """A second server whose interface is Chinese: the setting `make lab-zh` writes, the installed language pack."""
+    tmp = tmp_path_factory.mktemp("browser-zh")
+    root = tmp / "course"
+    root.mkdir()
+    copy_course(root)
+    server = JupyterLab(root, tmp / "lab-state", tmp / "jupyter-lab.log", locale="zh_CN")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_chinese_notebook_opens_in_chinese_jupyterlab_and_its_widget_works(lab_zh, page):
+    """notebooks/zh/: the Chinese heading on screen, JupyterLab's own menus in Chinese, the kernel started in the
+    notebook's folder, and the ZeRO calculator answering its slider there."""
+    chapter = next(c for c in CHAPTERS if any(CALCULATOR_TAG in _tags(x) for x in nbformat.read(c.path, 4).cells))
+    path = f"notebooks/zh/{chapter.file}"
+    cells = nbformat.read(Path(lab_zh.root_dir) / path, 4).cells
+    wanted = sorted(i for i, c in enumerate(cells) if {"parameters", CALCULATOR_TAG} & set(_tags(c)))
+    heading = cells[0].source.splitlines()[0].lstrip("# ").strip()
+    assert re.search(r"[\u4e00-\u9fff]", heading), heading
+    view = NotebookPage(page, lab_zh, path)
+    try:
+        p0, p1, t0, t1 = _drive_calculator(view, page, wanted, "zh-zero-calculator")
+        assert page.locator(".jp-MarkdownOutput h1").first.inner_text().strip().rstrip("¶").strip() == heading
+        assert page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^编辑$")).count() == 1, \
+            "JupyterLab's menus are not in Chinese"
+        view.screenshot(SHOTS / "zh-notebook.png")
+        print(f"\n{path}: heading {heading!r}, slider {p0:g}B -> {p1:g}B, total {t0:g} -> {t1:g} GB")
     finally:
         view.shutdown_kernel()

@@ -1,5 +1,7 @@
 """The one-page course report `make course` writes: every notebook's status and duration, then its headlines.
 
+Each row also links the notebook's Chinese edition, built from the same executed copy (nothing runs twice).
+
 A headline is the output of a code cell tagged ``headline`` (a measured table, a verdict, a plot), taken from the
 executed copy in ``build/notebooks/``. The page is self-contained HTML (plots embedded), so it can be mailed or
 archived as it is.
@@ -42,6 +44,16 @@ def headline_outputs(nb_path: Path) -> list[tuple[str, str]]:
     return found
 
 
+def _chinese(row: dict) -> str:
+    """The Chinese edition's cell: a link to the notebook built from this run, or what its catalogue still needs."""
+    state = row.get("zh")
+    if state is None:
+        return "-"
+    if state != "built":
+        return html.escape(state)
+    return f"<a href='notebooks/zh/{html.escape(row['notebook'])}'>{html.escape(row.get('zh_title') or 'built')}</a>"
+
+
 def render(rows: list[dict], profile: str, environment: dict) -> str:
     """The report as an HTML string. ``rows`` come from :func:`helpers.notebook.runner.run_chapters`."""
     esc = html.escape
@@ -50,7 +62,8 @@ def render(rows: list[dict], profile: str, environment: dict) -> str:
         f"<tr><td>{esc(r['id'])}</td><td><a href='#nb{esc(r['id'])}'>{esc(r['notebook'])}</a></td>"
         f"<td style='color:{STATUS_COLOURS.get(r['status'], '#000')};font-weight:bold'>{esc(r['status'])}</td>"
         f"<td style='text-align:right'>{r['seconds']:.1f}</td><td style='text-align:right'>{esc(r.get('checks', '-'))}</td>"
-        f"<td>{esc(r.get('error') or '')}</td></tr>"
+        f"<td>{esc(r.get('error') or '')}</td>"
+        f"<td>{_chinese(r)}</td></tr>"
         for r in rows)
     sections = []
     for r in rows:
@@ -71,7 +84,8 @@ pre{{background:#f6f8fa;padding:8px;overflow-x:auto}}</style></head><body>
 <h1>Course report</h1>
 <p>{time.strftime('%Y-%m-%d %H:%M:%S %Z')} · profile <b>{esc(profile)}</b> · {len(rows)} notebook(s),
 {sum(r['status'] == 'ok' for r in rows)} ok · {total:.0f} s in all</p>
-<table><tr><th>id</th><th>notebook</th><th>status</th><th>seconds</th><th>checks True</th><th>note</th></tr>
+<table><tr><th>id</th><th>notebook</th><th>status</th><th>seconds</th><th>checks True</th><th>note</th>
+<th>中文版 (Chinese edition)</th></tr>
 {table}</table>
 <h3>Environment</h3><table>{env_rows}</table>
 {''.join(sections)}

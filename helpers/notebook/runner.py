@@ -9,6 +9,10 @@ Example::
     python -m helpers course                # all notebooks -> build/notebooks/, summary table, build/report.html
     python -m helpers run 00 -p PROFILE full   # one notebook with an overridden parameter
     python -m helpers regen                 # in place, volatile metadata stripped (instructors)
+    python -m helpers translate             # Chinese edition: update translations/zh_CN/*.po, build notebooks/zh/
+
+``course`` and ``regen`` also build the Chinese edition from the outputs they just made (``helpers.notebook.translate``:
+markdown swapped for its translation, nothing executed twice), into ``build/notebooks/zh/`` and ``notebooks/zh/``.
 """
 from __future__ import annotations
 
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("course", "execute every notebook into build/notebooks and print a summary"),
                            ("regen", "re-execute notebooks in place (instructors), stripping volatile metadata"),
-                           ("run", "execute chosen notebooks into build/notebooks")):
+                           ("run", "execute chosen notebooks into build/notebooks"),
+                           ("translate", "update the Chinese catalogues and build notebooks/zh (executes nothing)")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("notebooks", nargs="*", help="ids (00), file names or stems; default: all")
         p.add_argument("--profile", default="auto", help="auto (smoke on CPU, full on GPUs), smoke or full")
@@ -207,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(env.report(), indent=2, default=str))
         return 0
 
-    from . import env
-    profile = env.profile(args.profile)
+    from . import env, translate
     _, chapters = syllabus()
     chosen = select(chapters, args.notebooks)
+    if args.command == "translate":
+        problems = translate.translate(chosen)
+        print("\n\n".join(problems) if problems else f"Chinese edition built: {len(chosen)} notebook(s)")
+        return 1 if problems else 0
+    profile = env.profile(args.profile)
     if args.command == "run" and not args.notebooks:
         parser.error("run needs at least one notebook id, e.g. `python -m helpers run 00`")
     rows = run_chapters(chosen, in_place=args.command == "regen", profile=profile,
@@ -218,13 +227,23 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"profile: {profile}")
     print(summary_table(rows))
+    # the Chinese edition of what just ran: the same outputs, translated prose (a catalogue that needs work is
+    # reported and fails the command; the English notebooks are kept either way)
+    ran = [c for c, r in zip(chosen, rows) if Path(r["output"]).exists()]
+    problems = translate.translate(ran, english_dir=None if args.command == "regen" else BUILD / "notebooks",
+                                   update_catalogues=args.command == "regen")
+    for row in rows:
+        row["zh"] = next((p.splitlines()[0] for p in problems if p.startswith(Path(row["notebook"]).stem)), "built")
+        row["zh_title"] = translate.chinese_title(next(c for c in chosen if c.file == row["notebook"]))
+    if problems:
+        print("\nChinese edition: catalogues need work (python -m helpers translate):\n" + "\n\n".join(problems))
     if args.command != "regen":
         from . import report
         (BUILD / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
         env_record = environment_record(profile)
         flat = {k: v for k, v in env_record.items() if k != "packages"} | env_record["packages"]
         print(f"report: {report.write(rows, profile, flat, BUILD / 'report.html')}")
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return 0 if all(r["status"] == "ok" for r in rows) and not problems else 1
 
 
 if __name__ == "__main__":

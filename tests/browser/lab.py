@@ -35,6 +35,21 @@ LAB_SETTINGS = {
 }
 
 
+TRANSLATION_SETTINGS = "@jupyterlab/translation-extension/plugin.jupyterlab-settings"  # what `make lab-zh` writes
+
+
+def interface_labels(locale: str | None) -> dict[str, str]:
+    """English label -> the label JupyterLab shows in ``locale``, from the installed language pack (empty: English)."""
+    if not locale:
+        return {}
+    import importlib.util
+    spec = importlib.util.find_spec(f"jupyterlab_language_pack_{locale}")
+    if spec is None:
+        raise RuntimeError(f"no JupyterLab language pack for {locale} (pip install jupyterlab-language-pack-{locale})")
+    path = Path(spec.origin).parent / "locale" / locale / "LC_MESSAGES" / "jupyterlab.json"
+    return {k: v[0] for k, v in json.loads(path.read_text()).items() if isinstance(v, list) and v and v[0]}
+
+
 def copy_course(dest: Path) -> Path:
     """The course's notebooks and scripts under ``dest`` (the server's root), as a learner's checkout has them."""
     for name in ("notebooks", "course"):
@@ -45,8 +60,9 @@ def copy_course(dest: Path) -> Path:
 class JupyterLab:
     """``jupyter lab`` from the course's .venv, in its own process session, token-less on 127.0.0.1."""
 
-    def __init__(self, root_dir: Path, state_dir: Path, log_path: Path):
+    def __init__(self, root_dir: Path, state_dir: Path, log_path: Path, locale: str | None = None):
         self.root_dir, self.state_dir, self.log_path = Path(root_dir), Path(state_dir), Path(log_path)
+        self.locale, self.labels = locale, interface_labels(locale)
         self.port = launch.free_port()  # below the ephemeral range: see its docstring
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -55,7 +71,8 @@ class JupyterLab:
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 120) -> "JupyterLab":
         settings = self.state_dir / "settings"
-        for rel, values in LAB_SETTINGS.items():
+        wanted = dict(LAB_SETTINGS, **({TRANSLATION_SETTINGS: {"locale": self.locale}} if self.locale else {}))
+        for rel, values in wanted.items():
             path = settings / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
@@ -83,6 +100,10 @@ class JupyterLab:
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.5)
         raise TimeoutError(f"jupyter lab did not answer on {self.url} within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def label(self, english: str) -> str:
+        """A menu or dialog label as this server's interface shows it."""
+        return self.labels.get(english, english)
 
     def stop(self) -> None:
         """Shut kernels and server down politely, then kill whatever of theirs is still alive (by pid)."""

@@ -46,7 +46,7 @@ class NotebookPage:
 
     def _accept_kernel_dialog(self) -> None:
         dialog = self.page.locator(".jp-Dialog")
-        if dialog.count() and "Select Kernel" in dialog.first.inner_text():
+        if dialog.count() and self.lab.label("Select Kernel") in dialog.first.inner_text():
             dialog.locator("button.jp-mod-accept").first.click()  # the preferred kernel: the notebook's own
 
     def shutdown_kernel(self) -> None:
@@ -74,6 +74,8 @@ class NotebookPage:
 
     # ------------------------------------------------------------------ running
     def menu(self, menu: str, item: str) -> None:
+        """Click a menu item by its English labels (translated into the server's interface language)."""
+        menu, item = self.lab.label(menu), self.lab.label(item)
         self.page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{re.escape(menu)}$")).first.click()
         self.page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(item)}$")).first.click()
 

@@ -1,0 +1,304 @@
+"""The Chinese edition: gettext catalogues of the English prose, and the Chinese notebooks built from them.
+
+``translations/zh_CN/NN_name.po`` holds one entry per markdown cell of ``notebooks/NN_name.ipynb`` (the msgid is
+the whole cell) and the notebook's title from ``course/syllabus.yml`` (msgctxt ``syllabus title``);
+``translations/zh_CN/exercises.po`` holds the exercise checkers' messages (every ``_("...")`` in
+``helpers/notebook/exercises``). They are ordinary gettext files: Poedit or Weblate edit them.
+
+:func:`update` brings a catalogue in line with the English source, the way ``msgmerge`` does: a cell whose text
+changed keeps its old translation marked ``fuzzy`` (with the old English as ``#| msgid``), a new cell gets an empty
+entry, and a removed cell's entry is kept as obsolete (``#~``). :func:`build` then makes ``notebooks/zh/NN_name.ipynb``
+from the *executed* English notebook: markdown replaced by its translation, a note on what stays English put after
+the title, code cells and their outputs as they are, except that a saved exercise verdict is shown in Chinese (from
+the msgid and fields it was saved with). Nothing is executed, so both editions show the same run. A catalogue
+with an untranslated or fuzzy entry builds nothing and says which entries need work.
+
+Example::
+
+    python -m helpers translate          # update every catalogue, build notebooks/zh/ from notebooks/
+    python -m helpers translate 03       # one notebook
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from . import i18n
+
+LANG = i18n.CHINESE
+CATALOGUES = i18n.TRANSLATIONS / LANG
+TITLE_CONTEXT = "syllabus title"
+EXERCISES = Path(__file__).resolve().parent / "exercises"
+NOTE_ID = "zh-edition-note"
+FUZZY_CUTOFF = 0.5  # difflib ratio above which a changed cell's old translation is offered as a fuzzy match
+HEADER = {
+    "Project-Id-Version": "dtfz-course",
+    "Language": LANG,
+    "MIME-Version": "1.0",
+    "Content-Type": "text/plain; charset=UTF-8",
+    "Content-Transfer-Encoding": "8bit",
+    "Plural-Forms": "nplurals=1; plural=0;",
+}
+
+
+def edition_note(english_file: str) -> str:
+    """The cell the build puts after each Chinese notebook's title: what stays English, and where the terms are."""
+    return (f"> **中文版说明：** 本笔记本由英文版 [`{english_file}`](../{english_file}) 生成：正文是翻译，代码单元格和"
+            "它们的输出与英文版完全相同（同一次运行）。代码、脚本和启动器打印的内容、检查单元格的英文论断以及报错信息保持"
+            "英文；练习的判定和提示是中文。术语的译法见 [术语表](GLOSSARY.md)。")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One English string to translate: where it is (``notebooks/02_x.ipynb:<cell id>``) and its context."""
+
+    msgid: str
+    occurrence: str
+    msgctxt: str | None = None
+
+
+def catalogue_path(stem: str) -> Path:
+    return CATALOGUES / f"{stem}.po"
+
+
+def notebook_sources(nb, file: str, title: str) -> list[Source]:
+    """The syllabus title, then every non-empty markdown cell of the English notebook, in order."""
+    out = [Source(title, "course/syllabus.yml", TITLE_CONTEXT)]
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and cell.source.strip():
+            out.append(Source(cell.source, f"notebooks/{file}:{cell.get('id', index)}"))
+    return out
+
+
+def exercise_sources(folder: Path = EXERCISES) -> list[Source]:
+    """Every ``_("literal", ...)`` in the exercise checkers, in file and line order."""
+    out = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_"
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                out.append(Source(node.args[0].value, f"helpers/notebook/exercises/{path.name}:{node.lineno}"))
+    return sorted(out, key=lambda s: (s.occurrence.split(":")[0], int(s.occurrence.split(":")[1])))
+
+
+def _new_catalogue():
+    import polib
+
+    po = polib.POFile(wrapwidth=100)
+    po.header = ("Simplified Chinese edition of 'Distributed Training from Zero'.\n"
+                 "Terms: notebooks/zh/GLOSSARY.md. Regenerate with `python -m helpers translate`; edit msgstr only.")
+    po.metadata = dict(HEADER)
+    return po
+
+
+def update(sources: list[Source], path: Path):
+    """The catalogue at ``path`` merged with ``sources`` (a new ``polib.POFile``; nothing is written)."""
+    import polib
+
+    old = polib.pofile(str(path)) if path.exists() else _new_catalogue()
+    known = {(e.msgctxt, e.msgid): e for e in old}
+    wanted = {(s.msgctxt, s.msgid) for s in sources}
+    # translations whose English is gone: candidates for a fuzzy match, else kept as obsolete
+    orphans = [e for key, e in known.items() if key not in wanted and e.msgstr]
+    po = _new_catalogue()
+    entries: dict[tuple, polib.POEntry] = {}
+    for s in sources:
+        key = (s.msgctxt, s.msgid)
+        if key in entries:
+            entries[key].occurrences.append((s.occurrence, ""))
+            continue
+        entry = polib.POEntry(msgctxt=s.msgctxt, msgid=s.msgid, msgstr="", occurrences=[(s.occurrence, "")])
+        before = known.get(key)
+        if before is not None:
+            entry.msgstr, entry.flags = before.msgstr, [f for f in before.flags if f != "fuzzy" or before.msgstr]
+            entry.previous_msgid = before.previous_msgid if "fuzzy" in before.flags else None
+        else:
+            match = _closest(s, orphans)
+            if match is not None:
+                orphans.remove(match)
+                entry.msgstr, entry.flags, entry.previous_msgid = match.msgstr, ["fuzzy"], match.msgid
+        entries[key] = entry
+        po.append(entry)
+    for e in orphans:
+        gone = polib.POEntry(msgctxt=e.msgctxt, msgid=e.msgid, msgstr=e.msgstr, obsolete=True)
+        po.append(gone)
+    return po
+
+
+def _closest(source: Source, candidates):
+    best, score = None, FUZZY_CUTOFF
+    for e in candidates:
+        if e.msgctxt != source.msgctxt:
+            continue
+        ratio = difflib.SequenceMatcher(None, source.msgid, e.msgid, autojunk=False).ratio()
+        if ratio > score:
+            best, score = e, ratio
+    return best
+
+
+def needs_work(po) -> list:
+    """Entries a translator must look at: untranslated or fuzzy (obsolete ones are history, not work)."""
+    return [e for e in po if not e.obsolete and (not e.msgstr or "fuzzy" in e.flags)]
+
+
+def _translations(po) -> dict[tuple, str]:
+    return {(e.msgctxt, e.msgid): e.msgstr for e in po if not e.obsolete and e.msgstr and "fuzzy" not in e.flags}
+
+
+class Untranslated(Exception):
+    """A catalogue has entries that need work; the message lists them (first line of each msgid)."""
+
+    def __init__(self, path: Path, entries: list):
+        self.path, self.entries = path, entries
+        lines = [f"  {'fuzzy' if 'fuzzy' in e.flags else 'untranslated'}: {e.msgid.splitlines()[0][:90]}"
+                 for e in entries]
+        super().__init__(f"{path.name}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} to translate "
+                         f"(edit msgstr, remove the fuzzy flag):\n" + "\n".join(lines))
+
+
+def build_notebook(english, po, english_file: str):
+    """The Chinese notebook (a new nbformat node) from an English notebook node and its catalogue."""
+    from .exercises import render_saved
+
+    translated = _translations(po)
+    missing = [e for e in needs_work(po)]
+    if missing:
+        raise Untranslated(Path(po.fpath or english_file), missing)
+    nb = copy.deepcopy(english)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.strip():
+            cell.source = translated[(None, cell.source)]
+        elif cell.cell_type == "code":
+            for out in cell.get("outputs", []):
+                saved = out.get("data", {}).get(i18n.MIME)
+                if saved and saved.get("kind") == "verdict":
+                    out["data"]["text/plain"] = render_saved(saved, LANG)
+    note = nbformat.v4.new_markdown_cell(edition_note(english_file))
+    note["id"] = NOTE_ID
+    nb.cells.insert(1, note)
+    course = nb.metadata.setdefault("course", {})
+    course["edition"] = {"language": "zh-CN", "english": f"../{english_file}",
+                         "title": translated.get((TITLE_CONTEXT, _title(po)), "")}
+    nbformat.validate(nb)
+    return nb
+
+
+def _title(po) -> str:
+    return next((e.msgid for e in po if e.msgctxt == TITLE_CONTEXT and not e.obsolete), "")
+
+
+def chinese_title(chapter) -> str:
+    """The syllabus title in Chinese (the English one if its catalogue has none yet)."""
+    import polib
+
+    path = catalogue_path(Path(chapter.file).stem)
+    if path.exists():
+        for e in polib.pofile(str(path)):
+            if e.msgctxt == TITLE_CONTEXT and e.msgid == chapter.title and e.msgstr and "fuzzy" not in e.flags:
+                return e.msgstr
+    return chapter.title
+
+
+def chinese_path(english: Path) -> Path:
+    """Where the Chinese edition of an English notebook lives: a ``zh`` folder beside it."""
+    return english.parent / "zh" / english.name
+
+
+def update_catalogue(chapter, english: Path | None = None):
+    """The chapter's catalogue merged with its English notebook and title, written back to disk."""
+    english = english or chapter.path
+    nb = nbformat.read(english, as_version=4)
+    path = catalogue_path(Path(chapter.file).stem)
+    po = update(notebook_sources(nb, chapter.file, chapter.title), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    po.save(str(path))
+    po.fpath = str(path)
+    return po
+
+
+def update_exercises():
+    path = catalogue_path(i18n.EXERCISES_DOMAIN)
+    po = update(exercise_sources(), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    po.save(str(path))
+    po.fpath = str(path)
+    i18n.catalogue.cache_clear()
+    return po
+
+
+def build(chapter, english: Path | None = None, out: Path | None = None, po=None) -> Path:
+    """Write the Chinese edition of ``english`` (default: the committed notebook) next to it, in ``zh/``."""
+    import polib
+
+    english = english or chapter.path
+    out = out or chinese_path(english)
+    if po is None:
+        path = catalogue_path(Path(chapter.file).stem)
+        po = polib.pofile(str(path))
+        po.fpath = str(path)
+    nb = build_notebook(nbformat.read(english, as_version=4), po, chapter.file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out)
+    return out
+
+
+def translate(chapters, *, english_dir: Path | None = None, update_catalogues: bool = True) -> list[str]:
+    """Update the catalogues (optional) and build each chapter's Chinese notebook; the problems, one per chapter."""
+    problems = []
+    if update_catalogues:
+        exercises = update_exercises()
+        if needs_work(exercises):
+            problems.append(str(Untranslated(Path(exercises.fpath), needs_work(exercises))))
+    for ch in chapters:
+        english = (english_dir / ch.file) if english_dir else ch.path
+        try:
+            po = update_catalogue(ch, english) if update_catalogues else None
+            written = build(ch, english, po=po)
+            root = i18n.TRANSLATIONS.parent
+            print(f"zh  {ch.id} -> {written.relative_to(root) if written.is_relative_to(root) else written}", flush=True)
+        except Untranslated as e:
+            problems.append(str(e))
+    return problems
+
+
+# --- is it Chinese? (the test that no English paragraph is left in a Chinese notebook) ---
+INLINE_CODE = r"`(?:[^`\n]|\n(?![ \t]*\n))+`"
+_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'-]+")
+_NOT_PROSE = [re.compile(p, re.S) for p in (
+    r"```.*?```",          # fenced code
+    INLINE_CODE,           # inline code (it may wrap onto the next line, as in the English cells)
+    r"\$\$.*?\$\$", r"\$[^$\n]*\$",  # math
+    r"<[^>\n]+>",          # html tags and anchors
+    r"\]\([^)\s]*\)",      # link targets (the link text stays)
+    r"https?://\S+",       # bare addresses
+)]
+MIN_CJK_SHARE = 0.25   # CJK characters / (CJK characters + Latin letters) in a cell's prose
+MAX_ENGLISH_WORDS = 6  # a line with more Latin words than this and no CJK character is an untranslated line
+
+
+def prose(markdown: str) -> str:
+    """``markdown`` without code, math, HTML and link targets: the text a translator must translate."""
+    for pattern in _NOT_PROSE:
+        markdown = pattern.sub(" ", markdown)
+    return markdown
+
+
+def cjk_share(markdown: str) -> float:
+    """CJK characters as a share of CJK characters plus Latin letters in the prose (1.0 when there is none)."""
+    text = prose(markdown)
+    cjk = len(_CJK.findall(text))
+    latin = sum(len(w) for w in _LATIN_WORD.findall(text))
+    return 1.0 if cjk + latin == 0 else cjk / (cjk + latin)
+
+
+def english_lines(markdown: str) -> list[str]:
+    """Lines of prose that read as untranslated English: several Latin words and not one CJK character."""
+    return [line.strip() for line in prose(markdown).splitlines()
+            if len(_LATIN_WORD.findall(line)) > MAX_ENGLISH_WORDS and not _CJK.search(line)]
