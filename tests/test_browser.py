@@ -36,18 +36,23 @@ def _tags(cell) -> list:
     return cell.get("metadata", {}).get("tags", [])
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("browser")
+def _serve(tmp_path_factory, name: str, locale: str | None = None):
+    """A JupyterLab on a fresh copy of the course, for one test module; stopped however the tests end."""
+    tmp = tmp_path_factory.mktemp(name)
     root = tmp / "course"
     root.mkdir()
     copy_course(root)
-    server = JupyterLab(root, tmp / "lab-state", tmp / "jupyter-lab.log")
+    server = JupyterLab(root, tmp / "lab-state", tmp / "jupyter-lab.log", locale=locale)
     try:
         server.start()
         yield server
     finally:
         server.stop()  # kernels first, then the server; leftovers are killed by pid
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    yield from _serve(tmp_path_factory, "browser")
 
 
 @pytest.fixture(scope="module")
@@ -188,16 +193,7 @@ def test_zero_calculator_follows_the_parameters_slider(lab, page):
 @pytest.fixture(scope="module")
 def lab_zh(tmp_path_factory):
     """A second server whose interface is Chinese: the setting `make lab-zh` writes, the installed language pack."""
-    tmp = tmp_path_factory.mktemp("browser-zh")
-    root = tmp / "course"
-    root.mkdir()
-    copy_course(root)
-    server = JupyterLab(root, tmp / "lab-state", tmp / "jupyter-lab.log", locale="zh_CN")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from _serve(tmp_path_factory, "browser-zh", locale="zh_CN")
 
 
 def test_a_chinese_notebook_opens_in_chinese_jupyterlab_and_its_widget_works(lab_zh, page):

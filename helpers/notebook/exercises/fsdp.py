@@ -53,7 +53,7 @@ def check_sharding_units(units, *, layer_params: Mapping[str, int], budget_param
     unknown = [n for n in flat if n not in layer_params]
     if unknown:
         if len(unknown) == 1:
-            return Verdict(False, _("{unknown} is not layers of this model.", unknown=unknown),
+            return Verdict(False, _("{unknown} is not a layer of this model.", unknown=unknown),
                            _("The layers are: {layers}.", layers=", ".join(order)))
         return Verdict(False, _("{unknown} are not layers of this model.", unknown=unknown),
                        _("The layers are: {layers}.", layers=", ".join(order)))
