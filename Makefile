@@ -35,8 +35,13 @@ unit: setup
 nbtest: setup
 	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks/[0-9]*.ipynb -q -p no:cacheprovider
 
-lab: setup             ## JupyterLab on the course
+# COURSE_LANGUAGE=zh_CN (as for the kernel's exercise verdicts, helpers/notebook/i18n.py) makes `make lab` `make lab-zh`
+lab: setup             ## JupyterLab on the course (COURSE_LANGUAGE=zh_CN: in Chinese, on notebooks/zh)
+ifneq ($(filter zh zh_CN zh-CN,$(COURSE_LANGUAGE)),)
+	@$(MAKE) --no-print-directory lab-zh
+else
 	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_environment_check.ipynb
+endif
 
 # JupyterLab in Chinese on the Chinese edition. Its settings live in build/lab-zh (your own JupyterLab settings are
 # not read there); in any JupyterLab, Settings > Language > 中文 (简体, 中国) switches the same way.

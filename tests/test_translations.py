@@ -10,15 +10,18 @@
 * a Chinese notebook runs under papermill from its own folder, with Chinese exercise verdicts.
 """
 import copy
+import json
+import os
 import re
 import shutil
+import subprocess
 
 import nbformat
 import polib
 import pytest
 
 from helpers.notebook import checks, i18n, translate
-from helpers.notebook.runner import NOTEBOOKS, syllabus
+from helpers.notebook.runner import NOTEBOOKS, ROOT, syllabus
 
 SETTINGS, CHAPTERS = syllabus()
 ZH = NOTEBOOKS / "zh"
@@ -227,6 +230,23 @@ def test_the_report_links_each_chinese_notebook_or_says_what_it_needs():
     page = report.render(rows, "smoke", {})
     assert "<a href='notebooks/zh/00_x.ipynb'>环境检查</a>" in page
     assert "01_y.po: 2 entries to translate" in page
+
+
+def test_make_lab_in_chinese_writes_the_setting_the_browser_test_starts_jupyterlab_with():
+    """`make lab-zh` (or `make lab COURSE_LANGUAGE=zh_CN`) opens notebooks/zh with JupyterLab's locale set to zh_CN
+    through the same settings file tests/test_browser.py's Chinese server uses; plain `make lab` stays English."""
+    from browser.lab import TRANSLATION_SETTINGS
+
+    def dry(*args):
+        return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                              env={k: v for k, v in os.environ.items() if k != "COURSE_LANGUAGE"}).stdout
+    for chinese in (dry("lab-zh"), dry("lab", "COURSE_LANGUAGE=zh_CN")):
+        echo = next(line for line in chinese.splitlines() if line.startswith("echo "))
+        assert echo == f"echo '{json.dumps({'locale': 'zh_CN'})}' > build/lab-zh/settings/{TRANSLATION_SETTINGS}"
+        assert "JUPYTERLAB_SETTINGS_DIR=build/lab-zh/settings" in chinese
+        assert "notebooks/zh/00_environment_check.ipynb" in chinese
+    english = dry("lab")
+    assert "notebooks/00_environment_check.ipynb" in english and "lab-zh" not in english
 
 
 @pytest.mark.slow
