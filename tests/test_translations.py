@@ -33,10 +33,7 @@ def _stem(chapter):
 
 
 def _catalogue(chapter):
-    path = translate.catalogue_path(_stem(chapter))
-    po = polib.pofile(str(path))
-    po.fpath = str(path)
-    return po
+    return translate.load(_stem(chapter))
 
 
 def _english(chapter):
@@ -129,7 +126,8 @@ def test_translations_keep_code_links_headings_and_the_title(chapter):
         assert FENCED.findall(e.msgstr) == FENCED.findall(e.msgid), (where, "fenced code changed")
         assert _targets(e.msgstr) == _targets(e.msgid), (where, _targets(e.msgstr) ^ _targets(e.msgid))
         assert _headings(e.msgstr) == _headings(e.msgid), (where, "heading levels differ")
-    title = translate.chinese_title(chapter)
+    title = next(e.msgstr for e in po.translated_entries()
+                 if e.msgctxt == translate.TITLE_CONTEXT and e.msgid == chapter.title)
     assert title != chapter.title and translate.cjk_share(title) >= translate.MIN_CJK_SHARE
     assert _chinese(chapter).metadata["course"]["edition"] == {
         "language": "zh-CN", "english": f"../{chapter.file}", "title": title}
@@ -215,7 +213,9 @@ def test_course_builds_the_chinese_edition_from_executed_copies_without_running_
     code = next(c for c in nb.cells if c.cell_type == "code" and c.outputs)
     code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="marker from this run\n")]
     nbformat.write(nb, tmp_path / chapter.file)
-    assert translate.translate([chapter], english_dir=tmp_path, update_catalogues=False) == []
+    edition = translate.translate([chapter], english_dir=tmp_path, update_catalogues=False)
+    assert edition.problems == {}
+    assert edition.titles == {chapter.id: nbformat.read(ZH / chapter.file, 4).metadata["course"]["edition"]["title"]}
     built = nbformat.read(tmp_path / "zh" / chapter.file, 4)
     assert any(o.get("text") == "marker from this run\n" for c in built.cells if c.cell_type == "code"
                for o in c.outputs)

@@ -53,13 +53,16 @@ def python(script, args=(), *, env=None, timeout: float, name: str | None = None
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read(4096), b"")), daemon=True)
     reader.start()
     timed_out = False
-    while proc.poll() is None:
+    def remember():  # every process the tree has had, kept from its first sighting
         seen.update({p.pid: p for p in _descendants(proc.pid) if p.pid not in seen})
+
+    while proc.poll() is None:
+        remember()
         if time.monotonic() - start > timeout:
             timed_out = True
             break
         time.sleep(0.1)
-    seen.update({p.pid: p for p in _descendants(proc.pid) if p.pid not in seen})
+    remember()
     if proc.poll() is None:  # the script first, so that it starts nothing more; by Popen, which keeps its exit code
         proc.terminate()
         try:

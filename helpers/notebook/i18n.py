@@ -52,30 +52,34 @@ def language() -> str:
     return CHINESE if cwd.name == "zh" and cwd.parent.name == "notebooks" else ENGLISH
 
 
-def fields(template: str) -> list[tuple[str, str, str, str]]:
-    """(key, name, conversion, spec) of each replacement field; ``key`` is the field as written, e.g. ``n:.1f``."""
-    out = []
-    for _literal, name, spec, conversion in string.Formatter().parse(template):
+def _parse(template: str):
+    """(literal text, key, name, conversion, spec) per piece of ``template``; key and name are None after the last
+    field. ``key`` is the field as written, e.g. ``n:.1f``."""
+    for literal, name, spec, conversion in string.Formatter().parse(template):
         if name is None:
+            yield literal, None, None, "", ""
             continue
         if not name.isidentifier():
             raise ValueError(f"message field {{{name}}} must be a plain name (pass it as a keyword): {template!r}")
         key = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-        out.append((key, name, conversion or "", spec or ""))
-    return out
+        yield literal, key, name, conversion or "", spec or ""
+
+
+def fields(template: str) -> list[tuple[str, str, str, str]]:
+    """(key, name, conversion, spec) of each replacement field; ``key`` is the field as written, e.g. ``n:.1f``."""
+    return [(key, name, conversion, spec) for _lit, key, name, conversion, spec in _parse(template) if key]
 
 
 def fill(template: str, rendered: dict[str, str]) -> str:
     """``template`` with each field replaced by its already rendered text (``{{``/``}}`` stay literal braces)."""
     parts = []
-    for literal, name, spec, conversion in string.Formatter().parse(template):
+    for literal, key, _name, _conversion, _spec in _parse(template):
         parts.append(literal)
-        if name is not None:
-            key = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-            if key not in rendered:
-                raise KeyError(f"translation uses field {{{key}}}, which the English message does not have: "
-                               f"{template!r}")
-            parts.append(rendered[key])
+        if key is None:
+            continue
+        if key not in rendered:
+            raise KeyError(f"translation uses field {{{key}}}, which the English message does not have: {template!r}")
+        parts.append(rendered[key])
     return "".join(parts)
 
 
@@ -99,7 +103,7 @@ class Text(str):
 
 def _(msgid: str, **values) -> Text:
     """Mark ``msgid`` for translation and fill its fields from ``values`` (``{name}``, ``{name!r}``, ``{n:.1f}``)."""
-    rendered = {}
+    rendered, names = {}, set()
     for key, name, conversion, spec in fields(msgid):
         value = values[name]
         if conversion == "r":
@@ -109,7 +113,8 @@ def _(msgid: str, **values) -> Text:
         elif conversion == "a":
             value = ascii(value)
         rendered[key] = format(value, spec)
-    unused = set(values) - {name for _k, name, _c, _s in fields(msgid)}
+        names.add(name)
+    unused = set(values) - names
     if unused:
         raise TypeError(f"values {sorted(unused)} are not fields of {msgid!r}")
     return Text(msgid, rendered)
@@ -128,18 +133,16 @@ def catalogue(lang: str, domain: str = EXERCISES_DOMAIN) -> dict[str, str]:
     path = TRANSLATIONS / lang / f"{domain}.po"
     if lang == ENGLISH or not path.exists():
         return {}
-    return {e.msgid: e.msgstr for e in polib.pofile(str(path))
-            if e.msgstr and not e.obsolete and "fuzzy" not in e.flags}
+    return {e.msgid: e.msgstr for e in polib.pofile(str(path)).translated_entries()}
 
 
-def render(msgid: str, rendered: dict[str, str], lang: str | None = None, *, plain: bool = False) -> str:
+def render(msgid: str, rendered: dict[str, str], lang: str | None = None) -> str:
     """The message in ``lang`` (default: :func:`language`); English where the catalogue has no translation."""
-    if plain:  # an unmarked str: shown as it is, in every language
-        return msgid
     lang = normalise(lang) if lang else language()
     template = msgid if lang == ENGLISH else catalogue(lang).get(msgid, msgid)
     return fill(template, rendered)
 
 
-def render_json(message: dict, lang: str | None = None) -> str:
-    return render(message["msgid"], message.get("fields", {}), lang, plain=message.get("plain", False))
+def localized(text: str, lang: str | None = None) -> str:
+    """A :class:`Text` in ``lang``; an unmarked ``str`` as it is, in every language."""
+    return text.render(lang) if isinstance(text, Text) else text

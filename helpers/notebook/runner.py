@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     _, chapters = syllabus()
     chosen = select(chapters, args.notebooks)
     if args.command == "translate":
-        problems = translate.translate(chosen)
-        print("\n\n".join(problems) if problems else f"Chinese edition built: {len(chosen)} notebook(s)")
+        problems = translate.translate(chosen).problems
+        print("\n\n".join(problems.values()) if problems else f"Chinese edition built: {len(chosen)} notebook(s)")
         return 1 if problems else 0
     profile = env.profile(args.profile)
     if args.command == "run" and not args.notebooks:
@@ -230,13 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     # the Chinese edition of what just ran: the same outputs, translated prose (a catalogue that needs work is
     # reported and fails the command; the English notebooks are kept either way)
     ran = [c for c, r in zip(chosen, rows) if Path(r["output"]).exists()]
-    problems = translate.translate(ran, english_dir=None if args.command == "regen" else BUILD / "notebooks",
-                                   update_catalogues=args.command == "regen")
-    for row in rows:
-        row["zh"] = next((p.splitlines()[0] for p in problems if p.startswith(Path(row["notebook"]).stem)), "built")
-        row["zh_title"] = translate.chinese_title(next(c for c in chosen if c.file == row["notebook"]))
+    edition = translate.translate(ran, english_dir=None if args.command == "regen" else BUILD / "notebooks",
+                                  update_catalogues=args.command == "regen")
+    problems = edition.problems
+    for ch, row in zip(chosen, rows):
+        if ch.id in edition.titles:
+            row["zh"], row["zh_title"] = "built", edition.titles[ch.id]
+        else:
+            row["zh"] = problems.get(Path(ch.file).stem, "not built: the notebook did not run").splitlines()[0]
     if problems:
-        print("\nChinese edition: catalogues need work (python -m helpers translate):\n" + "\n\n".join(problems))
+        print("\nChinese edition: catalogues need work (python -m helpers translate):\n" + "\n\n".join(problems.values()))
     if args.command != "regen":
         from . import report
         (BUILD / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")

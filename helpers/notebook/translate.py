@@ -24,7 +24,7 @@ import ast
 import copy
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -117,7 +117,7 @@ def update(sources: list[Source], path: Path):
         before = known.get(key)
         if before is not None:
             entry.msgstr, entry.flags = before.msgstr, [f for f in before.flags if f != "fuzzy" or before.msgstr]
-            entry.previous_msgid = before.previous_msgid if "fuzzy" in before.flags else None
+            entry.previous_msgid = before.previous_msgid if before.fuzzy else None
         else:
             match = _closest(s, orphans)
             if match is not None:
@@ -144,11 +144,7 @@ def _closest(source: Source, candidates):
 
 def needs_work(po) -> list:
     """Entries a translator must look at: untranslated or fuzzy (obsolete ones are history, not work)."""
-    return [e for e in po if not e.obsolete and (not e.msgstr or "fuzzy" in e.flags)]
-
-
-def _translations(po) -> dict[tuple, str]:
-    return {(e.msgctxt, e.msgid): e.msgstr for e in po if not e.obsolete and e.msgstr and "fuzzy" not in e.flags}
+    return [e for e in po if not e.obsolete and not e.translated()]
 
 
 class Untranslated(Exception):
@@ -156,7 +152,7 @@ class Untranslated(Exception):
 
     def __init__(self, path: Path, entries: list):
         self.path, self.entries = path, entries
-        lines = [f"  {'fuzzy' if 'fuzzy' in e.flags else 'untranslated'}: {e.msgid.splitlines()[0][:90]}"
+        lines = [f"  {'fuzzy' if e.fuzzy else 'untranslated'}: {e.msgid.splitlines()[0][:90]}"
                  for e in entries]
         super().__init__(f"{path.name}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} to translate "
                          f"(edit msgstr, remove the fuzzy flag):\n" + "\n".join(lines))
@@ -166,8 +162,8 @@ def build_notebook(english, po, english_file: str):
     """The Chinese notebook (a new nbformat node) from an English notebook node and its catalogue."""
     from .exercises import render_saved
 
-    translated = _translations(po)
-    missing = [e for e in needs_work(po)]
+    translated = {(e.msgctxt, e.msgid): e.msgstr for e in po.translated_entries()}
+    missing = needs_work(po)
     if missing:
         raise Untranslated(Path(po.fpath or english_file), missing)
     nb = copy.deepcopy(english)
@@ -193,78 +189,81 @@ def _title(po) -> str:
     return next((e.msgid for e in po if e.msgctxt == TITLE_CONTEXT and not e.obsolete), "")
 
 
-def chinese_title(chapter) -> str:
-    """The syllabus title in Chinese (the English one if its catalogue has none yet)."""
-    import polib
-
-    path = catalogue_path(Path(chapter.file).stem)
-    if path.exists():
-        for e in polib.pofile(str(path)):
-            if e.msgctxt == TITLE_CONTEXT and e.msgid == chapter.title and e.msgstr and "fuzzy" not in e.flags:
-                return e.msgstr
-    return chapter.title
-
-
 def chinese_path(english: Path) -> Path:
     """Where the Chinese edition of an English notebook lives: a ``zh`` folder beside it."""
     return english.parent / "zh" / english.name
 
 
-def update_catalogue(chapter, english: Path | None = None):
-    """The chapter's catalogue merged with its English notebook and title, written back to disk."""
-    english = english or chapter.path
-    nb = nbformat.read(english, as_version=4)
-    path = catalogue_path(Path(chapter.file).stem)
-    po = update(notebook_sources(nb, chapter.file, chapter.title), path)
+def load(stem: str):
+    """The catalogue ``translations/zh_CN/<stem>.po`` (``fpath`` set, so problems name the file)."""
+    import polib
+
+    path = catalogue_path(stem)
+    po = polib.pofile(str(path))
+    po.fpath = str(path)
+    return po
+
+
+def _save(po, stem: str):
+    path = catalogue_path(stem)
     path.parent.mkdir(parents=True, exist_ok=True)
     po.save(str(path))
     po.fpath = str(path)
     return po
 
 
+def update_catalogue(chapter, english: Path | None = None):
+    """The chapter's catalogue merged with its English notebook and title, written back to disk."""
+    stem = Path(chapter.file).stem
+    nb = nbformat.read(english or chapter.path, as_version=4)
+    return _save(update(notebook_sources(nb, chapter.file, chapter.title), catalogue_path(stem)), stem)
+
+
 def update_exercises():
-    path = catalogue_path(i18n.EXERCISES_DOMAIN)
-    po = update(exercise_sources(), path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    po.save(str(path))
-    po.fpath = str(path)
+    po = _save(update(exercise_sources(), catalogue_path(i18n.EXERCISES_DOMAIN)), i18n.EXERCISES_DOMAIN)
     i18n.catalogue.cache_clear()
     return po
 
 
-def build(chapter, english: Path | None = None, out: Path | None = None, po=None) -> Path:
-    """Write the Chinese edition of ``english`` (default: the committed notebook) next to it, in ``zh/``."""
-    import polib
-
+def build(chapter, english: Path | None = None, out: Path | None = None, po=None):
+    """Write the Chinese edition of ``english`` (default: the committed notebook) next to it, in ``zh/``; the
+    notebook written (an nbformat node)."""
     english = english or chapter.path
     out = out or chinese_path(english)
-    if po is None:
-        path = catalogue_path(Path(chapter.file).stem)
-        po = polib.pofile(str(path))
-        po.fpath = str(path)
-    nb = build_notebook(nbformat.read(english, as_version=4), po, chapter.file)
+    nb = build_notebook(nbformat.read(english, as_version=4), po or load(Path(chapter.file).stem), chapter.file)
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
-    return out
+    return nb
 
 
-def translate(chapters, *, english_dir: Path | None = None, update_catalogues: bool = True) -> list[str]:
-    """Update the catalogues (optional) and build each chapter's Chinese notebook; the problems, one per chapter."""
-    problems = []
+@dataclass
+class Edition:
+    """What :func:`translate` did: the Chinese title of each chapter built (by id), and each catalogue that needs
+    work (by file stem, e.g. ``02_ddp_cifar10`` or ``exercises``) with the entries to translate."""
+
+    titles: dict[str, str] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+
+
+def translate(chapters, *, english_dir: Path | None = None, update_catalogues: bool = True) -> Edition:
+    """Update the catalogues (optional) and build each chapter's Chinese notebook next to its English one."""
+    done = Edition()
     if update_catalogues:
         exercises = update_exercises()
         if needs_work(exercises):
-            problems.append(str(Untranslated(Path(exercises.fpath), needs_work(exercises))))
+            done.problems[i18n.EXERCISES_DOMAIN] = str(Untranslated(Path(exercises.fpath), needs_work(exercises)))
+    root = i18n.TRANSLATIONS.parent
     for ch in chapters:
         english = (english_dir / ch.file) if english_dir else ch.path
         try:
-            po = update_catalogue(ch, english) if update_catalogues else None
-            written = build(ch, english, po=po)
-            root = i18n.TRANSLATIONS.parent
-            print(f"zh  {ch.id} -> {written.relative_to(root) if written.is_relative_to(root) else written}", flush=True)
+            nb = build(ch, english, po=update_catalogue(ch, english) if update_catalogues else None)
         except Untranslated as e:
-            problems.append(str(e))
-    return problems
+            done.problems[Path(ch.file).stem] = str(e)
+            continue
+        done.titles[ch.id] = nb.metadata["course"]["edition"]["title"]
+        written = chinese_path(english)
+        print(f"zh  {ch.id} -> {written.relative_to(root) if written.is_relative_to(root) else written}", flush=True)
+    return done
 
 
 # --- is it Chinese? (the test that no English paragraph is left in a Chinese notebook) ---

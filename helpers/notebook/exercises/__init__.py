@@ -47,10 +47,10 @@ class Verdict:
     def render(self, lang: str | None = None) -> str:
         lang = i18n.normalise(lang) if lang else i18n.language()
         right, wrong, hint = _LABELS[lang]
-        text = {k: i18n.render_json(i18n.as_json(v), lang) for k, v in (("message", self.message), ("hint", self.hint))}
+        message = i18n.localized(self.message, lang)
         if self.ok:
-            return right + text["message"]
-        return wrong + text["message"] + (f"\n{hint}{text['hint']}" if self.hint else "")
+            return right + message
+        return wrong + message + (f"\n{hint}{i18n.localized(self.hint, lang)}" if self.hint else "")
 
     def __str__(self) -> str:
         return self.render()
