@@ -10,12 +10,13 @@ import os
 import tempfile
 
 from helpers.calc import dsconfig
+from helpers.rank.deepspeed_facts import build_config
 from helpers import launch
 
 
 def one_run(extensions_dir: str | None, torch_adam: bool) -> float:
     env = {"TORCH_EXTENSIONS_DIR": extensions_dir} if extensions_dir else {}
-    config = dsconfig.build(stage=0, micro_batch=16, world_size=2, torch_adam=torch_adam)
+    config = build_config(stage=0, micro_batch=16, world_size=2, torch_adam=torch_adam)
     run = launch.deepspeed("course/ds_cifar10.py", nproc=2, config=config, env=env, show="none", timeout=900,
                            name="bench_ds_first_launch",
                            args=["--dataset", "synthetic", "--train-size", 320, "--test-size", 64, "--steps", 5])

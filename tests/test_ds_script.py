@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.calc import dsconfig
+from helpers.rank.deepspeed_facts import build_config
 from helpers import launch
 from helpers.rank.data import get_datasets
 from helpers.rank.metrics import steps
@@ -19,7 +20,7 @@ TIMEOUT_S = 600  # the first DeepSpeed launch on a machine JIT-builds its CPU co
 
 
 def _config(stage):
-    return dsconfig.build(stage=stage, micro_batch=32, world_size=2, warmup_steps=5, clip=1.0)
+    return build_config(stage=stage, micro_batch=32, world_size=2, warmup_steps=5, clip=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_fp16_on_cpu_is_refused_with_what_to_change(module_runs_root):
 
 
 def test_config_file_stage_and_dtype_are_overridden_by_the_flags(module_runs_root, tmp_path):
-    path = dsconfig.save(dsconfig.build(stage=0, micro_batch=16, world_size=2), tmp_path / "ds.json")
+    path = dsconfig.save(build_config(stage=0, micro_batch=16, world_size=2), tmp_path / "ds.json")
     run = launch.deepspeed(SCRIPT, nproc=2, config=path, timeout=TIMEOUT_S, show="none",
                            args=[*DATA, "--stage", "2", "--dtype", "bf16", "--steps", "3"])
     assert (run.result["zero_stage"], run.result["dtype"], run.result["global_batch"]) == (2, "bf16", 32)

@@ -1,10 +1,28 @@
-"""helpers.calc.dsconfig: built configs are ones DeepSpeed accepts, and each bad config is refused with what to change."""
+"""helpers.calc.dsconfig: built configs are ones DeepSpeed accepts, and each bad config is refused with what to change.
+
+The checks run against the facts of the installed DeepSpeed, read by helpers.rank.deepspeed_facts (the calc module
+takes them as an argument); one test shows the same checks on a hand-written DeepSpeedFacts, without DeepSpeed."""
 import json
 
 import pytest
 
 from helpers.calc import dsconfig
-from helpers.calc.dsconfig import ConfigError, batch_sizes, build, check, validate
+from helpers.calc.dsconfig import ConfigError, DeepSpeedFacts, batch_sizes
+from helpers.rank import deepspeed_facts
+
+FACTS = deepspeed_facts.facts()
+
+
+def build(**kw):
+    return dsconfig.build(**kw, facts=FACTS)
+
+
+def validate(config, world_size, **kw):
+    return dsconfig.validate(config, world_size, facts=FACTS, **kw)
+
+
+def check(config, world_size, **kw):
+    return dsconfig.check(config, world_size, facts=FACTS, **kw)
 
 
 class _FakeDist:
@@ -142,12 +160,19 @@ def test_fp16_on_cpu_says_use_bf16_or_fp32():
     assert "CPU" in msg and '"bf16": {"enabled": true}' in msg and "fp32" in msg
 
 
-def test_fp16_on_gpu_is_fine_and_bf16_on_old_gpu_is_refused(monkeypatch):
+def test_fp16_on_gpu_is_fine_and_bf16_on_old_gpu_is_refused():
     assert validate({"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True}}, 2, accelerator="cuda") == []
-    monkeypatch.setattr(dsconfig, "supported_dtypes", lambda accelerator, capabilities=None: {"fp32", "fp16"})
-    msg = _one(validate({"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}}, 2, accelerator="cuda"),
-               "bf16")
+    bf16 = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}}
+    msg = _one(validate(bf16, 2, accelerator="cuda", capabilities=["8.0", "7.0"]), "bf16")
     assert "compute capability 8.0" in msg and "fp16" in msg
+    assert validate(bf16, 2, accelerator="cuda", capabilities=["8.0", "9.0"]) == []
+    assert validate(bf16, 2, accelerator="cuda", capabilities=[None]) == []  # unknown: DeepSpeed will say
+
+
+def test_supported_dtypes_follow_the_accelerator_and_the_capabilities():
+    assert dsconfig.supported_dtypes("cpu") == {"fp32", "bf16"}
+    assert dsconfig.supported_dtypes("cuda", ["7.5"]) == {"fp32", "fp16"}
+    assert dsconfig.supported_dtypes("cuda", ["8.6"]) == {"fp32", "fp16", "bf16"}
 
 
 def test_fp16_and_bf16_together_are_refused():
@@ -243,17 +268,52 @@ def test_not_a_dict_is_refused():
 
 
 def test_key_lists_are_read_off_the_installed_deepspeed():
-    """known_keys() records what DeepSpeedConfig looks up, zero_keys() is DeepSpeed's ZeRO model: both hold the keys
+    """known_keys records what DeepSpeedConfig looks up, zero_keys is DeepSpeed's ZeRO model: both hold the keys
     every config in this course uses, and neither holds a typo DeepSpeed would ignore."""
-    keys = dsconfig.known_keys()
+    keys = FACTS.known_keys
     assert {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
             "optimizer", "scheduler", "bf16", "fp16", "gradient_clipping", "comms_logger",
             "zero_allow_untested_optimizer"} <= keys
     assert "zero_optimisation" not in keys and "train_batch" not in keys
     assert {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
-            "stage3_prefetch_bucket_size"} <= dsconfig.zero_keys()
-    optimizers, schedulers = dsconfig.deepspeed_names()
-    assert {"adam", "adamw"} <= optimizers and "WarmupLR" in schedulers
+            "stage3_prefetch_bucket_size"} <= FACTS.zero_keys
+    assert {"adam", "adamw"} <= FACTS.optimizers and "WarmupLR" in FACTS.schedulers
+    assert {"SGD", "AdamW"} <= FACTS.torch_optimizers and "StepLR" in FACTS.torch_schedulers
+    assert deepspeed_facts.facts() is FACTS  # read once per process
+
+
+def test_reading_the_facts_leaves_deepspeeds_dist_as_it_was():
+    import deepspeed.runtime.config as ds_config
+    before = ds_config.dist
+    deepspeed_facts.facts.cache_clear()
+    try:
+        assert deepspeed_facts.facts() == FACTS
+    finally:
+        assert ds_config.dist is before
+
+
+def test_the_checks_need_no_deepspeed_only_its_facts():
+    facts = DeepSpeedFacts(known_keys=frozenset({"train_micro_batch_size_per_gpu", "optimizer", "zero_optimization"}),
+                           zero_keys=frozenset({"stage"}), optimizers=frozenset({"adam"}),
+                           schedulers=frozenset(), torch_optimizers=frozenset({"SGD"}))
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1}}
+    assert dsconfig.validate(config, 2, accelerator="cpu", facts=facts) == []
+    assert dsconfig.validate({**config, "optimizer": {"type": "SGD"}}, 2, accelerator="cpu", facts=facts) == []
+    problems = dsconfig.validate({**config, "fp16": {"enabled": True}, "zero_optimization": {"stag": 1}}, 2,
+                                 accelerator="cpu", facts=facts)
+    assert any("unknown top-level key 'fp16'" in p for p in problems), problems
+    assert any("zero_optimization.'stag'" in p and "did you mean 'stage'" in p for p in problems), problems
+
+
+def test_the_adapter_fills_in_this_process_for_the_calculations():
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimisation": {"stage": 2}}
+    assert deepspeed_facts.validate_config(config, 2, accelerator="cpu") == validate(config, 2, accelerator="cpu")
+    assert deepspeed_facts.validate_config(config, 2) == validate(config, 2, accelerator=deepspeed_facts.accelerator())
+    with pytest.raises(ConfigError, match="zero_optimisation"):
+        deepspeed_facts.check_config(config, 2, accelerator="cpu")
+    assert deepspeed_facts.check_config(build(world_size=2, accelerator="cpu"), 2, accelerator="cpu") is None
+    assert deepspeed_facts.build_config(stage=1, world_size=2, accelerator="cpu") == build(stage=1, world_size=2,
+                                                                                           accelerator="cpu")
 
 
 def test_override_replaces_stage_and_precision_and_keeps_the_rest():
@@ -276,4 +336,4 @@ def test_course_ds_config_file_is_valid_for_any_world_size():
     config = dsconfig.load(path)
     assert "train_batch_size" not in config
     for world_size in (1, 2, 8):
-        assert dsconfig.validate(config, world_size, accelerator="cpu") == []
+        assert validate(config, world_size, accelerator="cpu") == []

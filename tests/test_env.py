@@ -1,4 +1,5 @@
-"""helpers.notebook.env (report, verdict, formulas) and the two communication scripts in course/."""
+"""helpers.notebook.env (report, verdict, formulas), the CUDA probe it shares with the launcher, the kernel's
+DeepSpeed accelerator, and the two communication scripts in course/."""
 import os
 import shutil
 import subprocess
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.calc import comm
 from helpers.notebook import env
 from helpers import launch
 from helpers.rank.metrics import read_metrics, results, steps
@@ -56,16 +58,16 @@ W1130 07:10:01.681000 4064 torch/utils/cpp_extension.py:183] No CUDA runtime is 
 def test_bus_bandwidth_follows_nccl_tests_definition():
     size, seconds = 256 * 2**20, 0.01
     for n in (1, 2, 4, 8):
-        algbw, busbw = env.bus_bandwidth(size, seconds, n)
+        algbw, busbw = comm.bus_bandwidth(size, seconds, n)
         assert algbw == pytest.approx(size / seconds / 1e9)
         assert busbw == pytest.approx(algbw * 2 * (n - 1) / n)
-    assert env.bus_bandwidth(1e9, 1.0, 2) == pytest.approx((1.0, 1.0))   # n=2: busbw == algbw
-    assert env.bus_bandwidth(1e9, 1.0, 8) == pytest.approx((1.0, 1.75))  # n=8: 2*7/8
+    assert comm.bus_bandwidth(1e9, 1.0, 2) == pytest.approx((1.0, 1.0))   # n=2: busbw == algbw
+    assert comm.bus_bandwidth(1e9, 1.0, 8) == pytest.approx((1.0, 1.75))  # n=8: 2*7/8
 
 
 def test_bus_bandwidth_refuses_zero_time():
     with pytest.raises(ValueError):
-        env.bus_bandwidth(1024, 0.0, 2)
+        comm.bus_bandwidth(1024, 0.0, 2)
 
 
 def test_profile_auto_follows_the_hardware(monkeypatch):
@@ -104,6 +106,40 @@ def test_cpu_machine_sees_no_gpu_and_picks_gloo():
     assert env.versions()["nccl"] is None
 
 
+@cpu_only
+def test_cuda_probe_without_gpus_starts_nothing_and_finds_no_capability():
+    from helpers.launch import machine
+    assert machine.cuda_probe() == {"device_count": 0, "devices": [], "cudnn": None, "nccl": None, "error": None}
+    assert env.cuda_capabilities() == [] and launch.Machine.detect().cuda_capabilities() == []
+
+
+@pytest.mark.slow
+def test_the_cuda_probe_runs_as_a_module_of_the_launcher():
+    proc = subprocess.run([sys.executable, "-m", "helpers.launch.machine", "--probe"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["device_count"] == env.gpu_count() and len(out["devices"]) == out["device_count"]
+    assert all(d["capability"] for d in out["devices"])
+
+
+@pytest.mark.slow
+def test_the_kernel_entry_point_sets_a_cpu_accelerator_for_its_own_deepspeed_imports():
+    code = ("import os; assert 'DS_ACCELERATOR' not in os.environ; import helpers.launch; "
+            "from helpers.rank import deepspeed_facts as ds; ds.validate_config({'train_batch_size': 4}, 2); "
+            "ds.deepspeed_estimate(10**6, 2); a = os.environ.get('DS_ACCELERATOR'); import helpers.notebook; "
+            "print(a, os.environ.get('DS_ACCELERATOR'))")
+    clean = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=clean)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].split() == ["None", "cpu"]  # set by helpers.notebook, never by a calculation
+    proc = subprocess.run([sys.executable, "-c", "import os, helpers.notebook; print(os.environ['DS_ACCELERATOR'])"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**clean, "DS_ACCELERATOR": "cuda"})
+    assert proc.stdout.strip() == "cuda"  # one the user set is kept
+
+
+@pytest.mark.slow
 def test_report_does_not_initialise_cuda_in_the_calling_process():
     code = ("import torch; from helpers.notebook import env; r = env.report(deepspeed=False, torch_compile=False); "
             "assert r['torch_error'] is None, r; print('initialised', torch.cuda.is_initialized())")

@@ -2,7 +2,7 @@
 hint, and nothing raises. The right answers are computed here from the formulas, independently of the checkers."""
 import pytest
 
-from helpers.calc import dsconfig
+from helpers.rank.deepspeed_facts import build_config
 from helpers.notebook.exercises import Verdict
 from helpers.notebook.exercises import zero
 
@@ -11,8 +11,8 @@ GARBAGE = ["twelve", [1, 2], {"a": 1}, object(), float("nan"), True]
 
 
 def gpu_config(stage, dtype="bf16", micro=4, acc=8, world=8, **kw):
-    return dsconfig.build(stage=stage, dtype=dtype, micro_batch=micro, accumulation=acc, world_size=world,
-                          accelerator="cuda", **kw)
+    return build_config(stage=stage, dtype=dtype, micro_batch=micro, accumulation=acc, world_size=world,
+                        accelerator="cuda", **kw)
 
 
 # -- 03, exercise 1: a ds_config for a budget ------------------------------------------------------------------------

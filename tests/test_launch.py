@@ -21,7 +21,9 @@ import torch  # imported up front so no refused launch below pays for importing 
 import helpers.launch as launch
 from helpers.rank import metrics
 from helpers.rank.devices import cpu_count
-from helpers.launch import LaunchError
+from helpers.launch import LaunchError, Machine
+from helpers.launch.environment import rank_env
+from helpers.launch.spec import _launch_rules
 
 STEPS = "tests/scripts/steps.py"
 ENV_PROBE = "tests/scripts/env_probe.py"
@@ -71,6 +73,7 @@ def ok_run(tmp_path_factory):
     return SimpleNamespace(run=run, printed=out.getvalue() + err.getvalue(), root=root)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_successful_run_returns_zero_and_records_it(ok_run):
     run = ok_run.run
@@ -86,6 +89,7 @@ def test_successful_run_returns_zero_and_records_it(ok_run):
     assert_ranks_gone(run.run_dir)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_run_dir_goes_under_helpers_runs_dir(ok_run):
     run = ok_run.run
@@ -95,6 +99,7 @@ def test_run_dir_goes_under_helpers_runs_dir(ok_run):
         assert (run.run_dir / name).is_file(), name
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_metrics_hold_step_records_of_every_rank(ok_run):
     run = ok_run.run
@@ -105,6 +110,7 @@ def test_metrics_hold_step_records_of_every_rank(ok_run):
     assert any(r["kind"] == "total" and r["rank"] == 0 for r in run.metrics)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_result_merges_the_ranks_result_records(ok_run):
     run = ok_run.run
@@ -112,6 +118,7 @@ def test_result_merges_the_ranks_result_records(ok_run):
     assert run.results_by_rank() == {0: {"steps_done": 5, "world_size": 2}, 1: {"steps_done": 5, "world_size": 2}}
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_log_returns_one_ranks_lines(ok_run):
     run = ok_run.run
@@ -123,6 +130,7 @@ def test_log_returns_one_ranks_lines(ok_run):
     assert isinstance(run.log("launcher"), str)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_show_none_prints_nothing_rank_prefixed(ok_run):
     printed = ok_run.printed
@@ -130,6 +138,7 @@ def test_show_none_prints_nothing_rank_prefixed(ok_run):
     assert "rank 0 step" not in printed
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_env_json_records_gloo_and_cpu_accelerator(ok_run):
     run = ok_run.run
@@ -142,6 +151,7 @@ def test_env_json_records_gloo_and_cpu_accelerator(ok_run):
     assert recorded["command"] == run.command
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_cuda_is_not_initialised_by_a_launch(ok_run):
     import helpers.launch  # noqa: F401  (importing the helpers must not touch CUDA either)
@@ -192,7 +202,6 @@ def test_each_rank_gets_its_share_of_cores_as_omp_threads(runs_root, nproc):
     for rank, res in by_rank.items():
         assert res["omp_num_threads"] == str(expected), (rank, res)
         assert res["torch_threads"] == expected, (rank, res)
-        assert res["backend"] == "gloo"
         assert res["ds_accelerator"] == "cpu"
         assert res["run_dir"] == str(run.run_dir)
         assert res["world_size"] == nproc
@@ -224,7 +233,7 @@ def test_deepspeed_launcher_runs_two_cpu_ranks(runs_root):
     for rank in (0, 1):
         assert [r["step"] for r in metrics.steps(run.metrics, rank=rank)] == [0, 1]
         assert f"rank {rank} step 1 loss=" in run.log(rank)
-    written = json.loads((run.run_dir / "ds_config.json").read_text())
+    written = json.loads((run.run_dir / "deepspeed_config.json").read_text())
     assert written == DS_CONFIG
     recorded = json.loads((run.run_dir / "env.json").read_text())
     assert recorded["kind"] == "deepspeed"
@@ -288,18 +297,112 @@ def test_bad_nproc_is_refused(runs_root, nproc):
     assert repr(nproc) in str(e) or str(nproc) in str(e)
 
 
-def test_more_ranks_than_gpus_is_refused_naming_the_gpu_count(runs_root, monkeypatch):
-    monkeypatch.setattr(launch, "gpu_count", lambda: 1)
-    e = _refused(runs_root, nproc=2)
+def test_more_ranks_than_gpus_is_refused_naming_the_gpu_count(runs_root):
+    e = _refused(runs_root, nproc=2, machine=Machine(gpus=1, cpus=8))
     assert "1 GPU" in str(e)
     assert "nproc<=1" in str(e)
 
 
-def test_far_more_cpu_ranks_than_cores_is_refused(runs_root, monkeypatch):
-    monkeypatch.setattr(launch, "gpu_count", lambda: 0)
-    monkeypatch.setattr(launch, "cpu_count", lambda: 2)
-    e = _refused(runs_root, nproc=17)
+def test_far_more_cpu_ranks_than_cores_is_refused(runs_root):
+    e = _refused(runs_root, nproc=17, machine=Machine(gpus=0, cpus=2))
     assert "2 cores" in str(e)
+
+
+def test_the_launch_is_decided_for_the_machine_it_is_given():
+    gpus = Machine(gpus=4, cpus=16)
+    assert gpus.backend == "nccl" and gpus.default_nproc == 4 and Machine(gpus=0, cpus=2).backend == "gloo"
+    assert launch.LaunchSpec.check("torchrun", STEPS, machine=gpus).nproc == 4  # one rank per GPU
+    hidden = launch.LaunchSpec.check("torchrun", STEPS, env={"CUDA_VISIBLE_DEVICES": ""}, machine=gpus)
+    assert (hidden.nproc, hidden.gpus) == (2, 0)  # GPUs hidden: CPU ranks, as on a CPU machine
+    assert launch.LaunchSpec.check("torchrun", STEPS, machine=Machine(gpus=0, cpus=2)).nproc == 2
+    assert launch.LaunchSpec.check("torchrun", STEPS).machine == Machine.detect()
+    with pytest.raises(LaunchError, match="machine must be"):
+        launch.LaunchSpec.check("torchrun", STEPS, machine={"gpus": 2})
+    with pytest.raises(ValueError, match="cpus"):
+        Machine(gpus=0, cpus=0)
+
+
+def test_ranks_get_the_deepspeed_accelerator_of_their_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what the notebook kernel sets for its own DeepSpeed imports
+    gpus = Machine(gpus=2, cpus=8)
+    env, backend = rank_env(2, tmp_path, {}, gpus)
+    assert (backend, env["DS_ACCELERATOR"], env["OMP_NUM_THREADS"]) == ("nccl", "cuda", "4")
+    env, backend = rank_env(2, tmp_path, {"CUDA_VISIBLE_DEVICES": ""}, gpus)
+    assert (backend, env["DS_ACCELERATOR"]) == ("gloo", "cpu")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert rank_env(2, tmp_path, {}, Machine(gpus=0, cpus=2))[0]["DS_ACCELERATOR"] == "cpu"
+    assert rank_env(2, tmp_path, {"DS_ACCELERATOR": "xpu"}, gpus)[0]["DS_ACCELERATOR"] == "xpu"  # the caller's wins
+    assert "HELPERS_BACKEND" not in env
+
+
+def test_free_port_comes_from_below_the_machines_ephemeral_range():
+    port = launch.free_port(machine=Machine(gpus=0, cpus=2, ephemeral_ports=(30000, 60999)))
+    assert 18000 <= port < 30000
+
+
+def test_bf16_on_a_gpu_older_than_ampere_is_refused_before_launch(runs_root):
+    config = {**DS_CONFIG, "bf16": {"enabled": True}}
+    old = Machine(gpus=2, cpus=8, capabilities=("7.0", "7.0"))
+    with pytest.raises(LaunchError, match="compute capability 8.0") as info:
+        launch.deepspeed(DS_TINY, nproc=2, config=config, machine=old)
+    assert info.value.reason == "invalid" and not runs_root.exists()
+    spec = launch.LaunchSpec.check("deepspeed", DS_TINY, 2, config=config,
+                                   machine=Machine(gpus=2, cpus=8, capabilities=("8.0", "9.0")))
+    assert spec.config == config
+
+
+# ---------------------------------------------------------------------------------------------
+# a script's own launch rules (LAUNCH_RULES), read from its source
+
+
+def _script(tmp_path, text: str) -> Path:
+    path = tmp_path / "ruled.py"
+    path.write_text(text)
+    return path
+
+
+RULED = 'import sys\nLAUNCH_RULES = {"--group": "divides_world_size"}\nsys.exit("never run by these tests")\n'
+
+
+def test_launch_rules_are_read_without_running_the_script(tmp_path):
+    assert _launch_rules(_script(tmp_path, RULED)) == {"--group": "divides_world_size"}
+    assert _launch_rules(_script(tmp_path, "x = 1\n")) == {}
+    assert _launch_rules(_script(tmp_path, 'def f():\n    LAUNCH_RULES = {"--a": "nope"}\n')) == {}  # module level only
+    assert _launch_rules(_script(tmp_path, 'LAUNCH_RULES: dict = {"--a": "divides_world_size"}\n')) == {
+        "--a": "divides_world_size"}
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--group", "3"], "--group 3 does not divide the 4 ranks"),
+    (["--group=8"], "use one of 1, 2, 4"),
+    (["--group", "two"], "--group must be a whole number of ranks, got 'two'"),
+])
+def test_a_flag_breaking_its_rule_is_refused_before_launch(runs_root, tmp_path, args, problem):
+    e = _refused(runs_root, script=_script(tmp_path, RULED), nproc=4, args=args, machine=Machine(gpus=0, cpus=2))
+    assert problem in str(e), str(e)
+
+
+def test_a_flag_keeping_its_rule_passes(tmp_path):
+    script = _script(tmp_path, RULED)
+    for args in ([], ["--group", "2"], ["--group=4"], ["--other", "3"]):
+        assert launch.LaunchSpec.check("torchrun", script, 4, args, machine=Machine(gpus=0, cpus=2)).args == tuple(args)
+
+
+@pytest.mark.parametrize("declaration, problem", [
+    ("LAUNCH_RULES = dict(a=1)", "must be a literal dict"),
+    ("LAUNCH_RULES = {'--group': divides_world_size}", "must be a literal dict"),
+    ("LAUNCH_RULES = ['--group']", "must be a literal dict"),
+    ("LAUNCH_RULES = {'group': 'divides_world_size'}", "must be a literal dict"),
+    ("LAUNCH_RULES = {'--group': 'is_even'}", "the rule 'is_even', which is not one of helpers.calc.mesh.RULES"),
+])
+def test_a_bad_launch_rules_declaration_is_refused_naming_the_script(runs_root, tmp_path, declaration, problem):
+    e = _refused(runs_root, script=_script(tmp_path, f"import os\n{declaration}\n"), nproc=2)
+    assert problem in str(e) and "ruled.py line 2" in str(e), str(e)
+
+
+def test_the_fsdp2_script_declares_its_shard_size_rule():
+    """course/fsdp2_cifar10.py's mesh must hold the world exactly: it says so itself, the launcher only reads it."""
+    assert _launch_rules(launch.PROJECT_ROOT / "course" / "fsdp2_cifar10.py") == {"--shard-size": "divides_world_size"}
 
 
 @pytest.mark.parametrize("kwarg", ["timeout", "stall_timeout"])

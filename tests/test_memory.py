@@ -1,10 +1,12 @@
-"""helpers.calc.memory: the ZeRO paper's formulas, DeepSpeed's printed estimate parsed, and measured bytes per rank."""
+"""helpers.calc.memory: the ZeRO paper's formulas, DeepSpeed's printed estimate parsed (run by the rank-side adapter,
+helpers.rank.deepspeed_facts), and measured bytes per rank."""
 import pytest
 import torch
 
-from helpers.calc import dsconfig, memory
+from helpers.calc import memory
 from helpers import launch
-from helpers.calc.memory import deepspeed_estimate, parse_estimate, zero_model_state_bytes
+from helpers.calc.memory import parse_estimate, zero_model_state_bytes
+from helpers.rank.deepspeed_facts import build_config, deepspeed_estimate
 
 GB = 1e9  # the paper's GB
 
@@ -118,8 +120,8 @@ def test_tally_counts_each_storage_once_and_whole():
 def test_measured_model_states_match_the_formula_within_5_percent(tmp_path, monkeypatch, stage):
     """Two ranks, a 20M-parameter MLP in bf16, measured inside a gradient accumulation after the first step."""
     monkeypatch.setenv("HELPERS_RUNS_DIR", str(tmp_path))
-    cfg = dsconfig.build(stage=stage, dtype="bf16", micro_batch=4, accumulation=2, world_size=2,
-                         zero={"reduce_bucket_size": 5_000_000})
+    cfg = build_config(stage=stage, dtype="bf16", micro_batch=4, accumulation=2, world_size=2,
+                       zero={"reduce_bucket_size": 5_000_000})
     run = launch.deepspeed("course/ds_cifar10.py", nproc=2, config=cfg, timeout=600, show="none",
                            args=["--model", "memory", "--params", "20000000", "--depth", "8", "--steps", "2",
                                  "--dataset", "synthetic", "--train-size", "64", "--test-size", "64"])

@@ -30,10 +30,9 @@ def test_crash_on_the_second_node_names_its_global_rank(runs_root, children_befo
     assert_no_survivors(info.value.run_dir, children_before)
 
 
-def test_nodes_sharing_gpus_are_refused(runs_root, monkeypatch):
-    monkeypatch.setattr(launch, "gpu_count", lambda: 2)
+def test_nodes_sharing_gpus_are_refused(runs_root):
     with pytest.raises(LaunchError, match="share GPUs") as info:
-        launch.torchrun(STEPS, 1, nnodes=2)
+        launch.torchrun(STEPS, 1, nnodes=2, machine=launch.Machine(gpus=2, cpus=8))
     assert info.value.reason == "invalid"
     assert not Path(runs_root).exists()
 

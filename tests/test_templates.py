@@ -90,12 +90,14 @@ def test_batch_script_asks_for_one_launcher_task_per_node_and_finds_the_master_n
     assert not re.search(r"^set -\w*o pipefail", text, re.M) or "| head" not in command_text(path)
 
 
+@pytest.mark.slow
 def test_every_torchrun_flag_in_the_sbatch_exists_in_torchrun_help():
     used = launcher_flags(TORCHRUN_SBATCH, "torchrun")
     assert {"--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"} <= used
     assert not used - help_flags("torchrun"), f"not in torchrun --help: {used - help_flags('torchrun')}"
 
 
+@pytest.mark.slow
 def test_every_deepspeed_flag_in_the_sbatch_exists_in_deepspeed_help():
     used = launcher_flags(DEEPSPEED_SBATCH, "deepspeed")
     assert {"--hostfile", "--no_ssh", "--node_rank", "--master_addr", "--master_port"} <= used
@@ -165,6 +167,13 @@ def dry_run(script: Path, tmp_path: Path, env: dict | None = None) -> tuple[list
     return argv, submit_dir
 
 
+def _options_source(script: str) -> str:
+    """Where a course script's options are defined: the script, and the rank-side harness whose shared flags
+    (--epochs, --batch-size, ...) it adds to its parser."""
+    harness = REPO / "helpers" / "rank" / "harness.py"
+    return (REPO / script).read_text() + (harness.read_text() if harness.is_file() else "")
+
+
 def test_torchrun_sbatch_dry_run_gives_torchrun_a_command_line_it_accepts(tmp_path):
     from torch.distributed.run import get_args_parser
 
@@ -176,7 +185,7 @@ def test_torchrun_sbatch_dry_run_gives_torchrun_a_command_line_it_accepts(tmp_pa
     assert args.training_script == "course/elastic_cifar10.py" and (REPO / args.training_script).is_file()
     # the script's own options exist in the script, and the snapshot folder was prepared
     script_args = args.training_script_args
-    script_source = (REPO / args.training_script).read_text()
+    script_source = _options_source(args.training_script)
     for flag in (a for a in script_args if a.startswith("--")):
         assert f'"{flag}"' in script_source, flag
     snapshot_dir = Path(script_args[script_args.index("--snapshot-dir") + 1])
@@ -191,7 +200,7 @@ def test_deepspeed_sbatch_dry_run_gives_deepspeed_a_command_line_it_accepts(tmp_
     assert args.no_ssh and args.node_rank == 0  # srun's SLURM_NODEID on the first node
     assert args.master_addr == "node001" and args.master_port == MASTER_PORT
     assert args.user_script == "course/ds_cifar10.py" and (REPO / args.user_script).is_file()
-    script_source = (REPO / args.user_script).read_text()
+    script_source = _options_source(args.user_script)
     for flag in (a for a in args.user_args if a.startswith("--")):
         assert f'"{flag}"' in script_source, flag
     # the hostfile the script generated from the allocation is what DeepSpeed expects

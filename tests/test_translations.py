@@ -27,6 +27,42 @@ SETTINGS, CHAPTERS = syllabus()
 ZH = NOTEBOOKS / "zh"
 FENCED = re.compile(r"```.*?```", re.S)
 
+# --- is it Chinese? (the test that no English paragraph is left in a Chinese notebook) ---
+INLINE_CODE = r"`(?:[^`\n]|\n(?![ \t]*\n))+`"
+_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'-]+")
+_NOT_PROSE = [re.compile(p, re.S) for p in (
+    r"```.*?```",          # fenced code
+    INLINE_CODE,           # inline code (it may wrap onto the next line, as in the English cells)
+    r"\$\$.*?\$\$", r"\$[^$\n]*\$",  # math
+    r"<[^>\n]+>",          # html tags and anchors
+    r"\]\([^)\s]*\)",      # link targets (the link text stays)
+    r"https?://\S+",       # bare addresses
+)]
+MIN_CJK_SHARE = 0.25   # CJK characters / (CJK characters + Latin letters) in a cell's prose
+MAX_ENGLISH_WORDS = 6  # a line with more Latin words than this and no CJK character is an untranslated line
+
+
+def prose(markdown: str) -> str:
+    """``markdown`` without code, math, HTML and link targets: the text a translator must translate."""
+    for pattern in _NOT_PROSE:
+        markdown = pattern.sub(" ", markdown)
+    return markdown
+
+
+def cjk_share(markdown: str) -> float:
+    """CJK characters as a share of CJK characters plus Latin letters in the prose (1.0 when there is none)."""
+    text = prose(markdown)
+    cjk = len(_CJK.findall(text))
+    latin = sum(len(w) for w in _LATIN_WORD.findall(text))
+    return 1.0 if cjk + latin == 0 else cjk / (cjk + latin)
+
+
+def english_lines(markdown: str) -> list[str]:
+    """Lines of prose that read as untranslated English: several Latin words and not one CJK character."""
+    return [line.strip() for line in prose(markdown).splitlines()
+            if len(_LATIN_WORD.findall(line)) > MAX_ENGLISH_WORDS and not _CJK.search(line)]
+
 
 def _stem(chapter):
     return chapter.file.rsplit(".", 1)[0]
@@ -45,7 +81,7 @@ def _chinese(chapter):
 
 
 def _spans(markdown):
-    return {re.sub(r"\s+", " ", s) for s in re.findall(translate.INLINE_CODE, FENCED.sub(" ", markdown))}
+    return {re.sub(r"\s+", " ", s) for s in re.findall(INLINE_CODE, FENCED.sub(" ", markdown))}
 
 
 def _targets(markdown):
@@ -110,9 +146,9 @@ def test_no_english_paragraph_is_left_in_a_chinese_cell(chapter):
     for cell in _chinese(chapter).cells:
         if cell.cell_type != "markdown":
             continue
-        assert not translate.english_lines(cell.source), (cell.get("id"), translate.english_lines(cell.source)[:3])
-        share = translate.cjk_share(cell.source)
-        assert share >= translate.MIN_CJK_SHARE, (cell.get("id"), round(share, 2), cell.source[:200])
+        assert not english_lines(cell.source), (cell.get("id"), english_lines(cell.source)[:3])
+        share = cjk_share(cell.source)
+        assert share >= MIN_CJK_SHARE, (cell.get("id"), round(share, 2), cell.source[:200])
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
@@ -128,7 +164,7 @@ def test_translations_keep_code_links_headings_and_the_title(chapter):
         assert _headings(e.msgstr) == _headings(e.msgid), (where, "heading levels differ")
     title = next(e.msgstr for e in po.translated_entries()
                  if e.msgctxt == translate.TITLE_CONTEXT and e.msgid == chapter.title)
-    assert title != chapter.title and translate.cjk_share(title) >= translate.MIN_CJK_SHARE
+    assert title != chapter.title and cjk_share(title) >= MIN_CJK_SHARE
     assert _chinese(chapter).metadata["course"]["edition"] == {
         "language": "zh-CN", "english": f"../{chapter.file}", "title": title}
 

@@ -5,6 +5,10 @@ ignores top-level keys it does not know (a typo such as ``"zero_optimisation"`` 
 the mistakes it does catch surface as an ``AssertionError`` or a pydantic dump from inside every rank, after the
 launch. :func:`validate` finds them first and says what to change.
 
+What the installed DeepSpeed accepts is read off DeepSpeed itself, not kept in lists here; this module imports
+neither torch nor DeepSpeed, so it comes in as a :class:`DeepSpeedFacts` argument from
+:func:`helpers.rank.deepspeed_facts.facts` (whose ``build_config``/``validate_config``/``check_config`` fill it in).
+
 The batch rule DeepSpeed enforces::
 
     train_batch_size == train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size
@@ -15,9 +19,11 @@ on 2 GPUs described as "2 x 32 = 64". That product forgets the accumulation: the
 
 Example::
 
-    cfg = build(stage=2, dtype="bf16", micro_batch=16, accumulation=2, world_size=2, warmup_steps=50, clip=1.0)
-    cfg["train_batch_size"]            # 64
-    check(cfg, world_size=2)           # None, or ConfigError listing every problem
+    facts = helpers.rank.deepspeed_facts.facts()
+    cfg = build(stage=2, dtype="bf16", micro_batch=16, accumulation=2, world_size=2, warmup_steps=50, clip=1.0,
+                accelerator="cpu", facts=facts)
+    cfg["train_batch_size"]                                   # 64
+    check(cfg, world_size=2, accelerator="cpu", facts=facts)  # None, or ConfigError listing every problem
     save(cfg, "runs/ds_config.json")
 """
 from __future__ import annotations
@@ -26,15 +32,32 @@ import difflib
 import json
 import numbers
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
-
-from .ds_keys import deepspeed_names, known_keys, zero_keys
 
 DTYPES = ("fp32", "bf16", "fp16")
 OFFLOAD_CHOICES = (None, "optimizer", "param", "both")
 OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 
+
+@dataclass(frozen=True)
+class DeepSpeedFacts:
+    """What the installed DeepSpeed (and torch) accept in a ds_config, as plain data.
+
+    ``known_keys``: every top-level key DeepSpeed reads (it ignores the others silently). ``zero_keys``: the fields
+    of its ZeRO model (it rejects the others). ``optimizers``: the optimizer names it builds itself, in lower case
+    (it matches them in any case); ``schedulers``: its LR scheduler names (matched exactly). ``torch_optimizers`` /
+    ``torch_schedulers``: the class names of ``torch.optim`` / ``torch.optim.lr_scheduler``, which a config's
+    "type" may name too. Read off the installed packages by :func:`helpers.rank.deepspeed_facts.facts`.
+    """
+
+    known_keys: frozenset[str]
+    zero_keys: frozenset[str]
+    optimizers: frozenset[str]
+    schedulers: frozenset[str]
+    torch_optimizers: frozenset[str] = frozenset()
+    torch_schedulers: frozenset[str] = frozenset()
 
 
 class ConfigError(ValueError):
@@ -46,31 +69,20 @@ class ConfigError(ValueError):
         super().__init__(f"DeepSpeed config has {len(self.problems)} problem(s):\n{lines}")
 
 
-def default_accelerator() -> str:
-    """``"cuda"`` when GPUs are visible, else ``"cpu"`` (counted without initialising CUDA)."""
-    import torch
-    return "cuda" if torch.cuda.device_count() > 0 else "cpu"
-
-
 def supported_dtypes(accelerator: str, capabilities: list[str] | None = None) -> set[str]:
     """Training precisions this course runs on ``accelerator``.
 
     CPU: fp32 and bf16. DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; the course
     trains CPUs in bf16, which stores the same 2 bytes and needs no loss scaler.
-    CUDA: fp32 and fp16 everywhere, bf16 on compute capability 8.0+ (Ampere and later). Inside a rank, where CUDA
-    is initialised, CUDA is asked; in the notebook kernel, which never initialises CUDA, the caller passes the
-    ``capabilities`` ("8.0", ...) its subprocess probe found (``helpers.notebook.env.devices``); unknown
-    capabilities do not block bf16 (DeepSpeed will say).
+    CUDA: fp32 and fp16 everywhere, bf16 on compute capability 8.0+ (Ampere and later), judged from the
+    ``capabilities`` ("8.0", ...) of the GPUs: inside a rank :func:`helpers.rank.deepspeed_facts.capabilities`
+    asks CUDA, in the notebook kernel, which never initialises CUDA, a subprocess probe
+    (:func:`helpers.launch.machine.cuda_capabilities`) does. Unknown capabilities (None) do not block bf16
+    (DeepSpeed will say).
     """
     if accelerator == "cpu":
         return {"fp32", "bf16"}
     out = {"fp32", "fp16"}
-    try:
-        import torch
-        if torch.cuda.is_initialized():  # inside a rank: ask CUDA directly
-            return out | ({"bf16"} if torch.cuda.is_bf16_supported() else set())
-    except Exception:
-        pass
     caps = capabilities or []
     if all(c is None or float(c) >= 8.0 for c in caps):
         out.add("bf16")
@@ -84,7 +96,7 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
           world_size: int | None = None, optimizer: str = "AdamW", lr: float = 1e-3, warmup_steps: int = 0,
           clip: float | None = None, offload: str | None = None, *, weight_decay: float = 0.0,
           torch_adam: bool = True, zero: Mapping[str, Any] | None = None,
-          accelerator: str | None = None, capabilities: list[str] | None = None) -> dict:
+          accelerator: str, capabilities: list[str] | None = None, facts: DeepSpeedFacts) -> dict:
     """A ds_config dict from a few choices; checked with :func:`validate` before it is returned.
 
     ``stage``: ZeRO stage 0-3. ``dtype``: "fp32", "bf16" or "fp16". ``micro_batch``: samples per rank per
@@ -94,11 +106,13 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
     ``offload``: None, "optimizer" (stage >= 1), "param" or "both" (stage 3), to CPU memory.
     ``torch_adam``: use PyTorch's Adam/AdamW instead of DeepSpeed's FusedAdam, which is JIT-compiled on first use
     (a C++/CUDA build of a minute or more, and impossible without a compiler). ``zero``: extra
-    ``zero_optimization`` fields such as ``{"reduce_bucket_size": 5e6}``.
+    ``zero_optimization`` fields such as ``{"reduce_bucket_size": 5e6}``. ``accelerator``, ``capabilities`` and
+    ``facts``: as in :func:`validate`.
 
     Example::
 
-        build(stage=3, dtype="bf16", micro_batch=8, world_size=2)["zero_optimization"]   # {'stage': 3}
+        build(stage=3, dtype="bf16", micro_batch=8, world_size=2, accelerator="cpu",
+              facts=deepspeed_facts.facts())["zero_optimization"]                      # {'stage': 3}
     """
     if dtype not in DTYPES:
         raise ConfigError([f"dtype={dtype!r}: use one of {', '.join(DTYPES)}"])
@@ -130,7 +144,7 @@ def build(stage: int = 0, dtype: str = "fp32", micro_batch: int = 32, accumulati
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if offload in ("param", "both"):
         config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    problems = validate(config, world_size, accelerator=accelerator, capabilities=capabilities)
+    problems = validate(config, world_size, accelerator=accelerator, capabilities=capabilities, facts=facts)
     if problems:
         raise ConfigError(problems)
     return config
@@ -281,12 +295,12 @@ def _precision_problems(config: Mapping, accelerator: str, capabilities: list[st
     return out
 
 
-def _zero_problems(config: Mapping) -> list[str]:
+def _zero_problems(config: Mapping, facts: DeepSpeedFacts) -> list[str]:
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, Mapping):
         return [f'zero_optimization must be an object such as {{"stage": 2}}, got {zero!r}']
-    out = [f"unknown key zero_optimization.{k!r} (DeepSpeed rejects it){_suggest(k, zero_keys())}"
-           for k in zero if k not in zero_keys()]
+    out = [f"unknown key zero_optimization.{k!r} (DeepSpeed rejects it){_suggest(k, facts.zero_keys)}"
+           for k in zero if k not in facts.zero_keys]
     stage = zero.get("stage", 0)
     if not (_is_count(stage) and 0 <= stage <= 3):
         out.append(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -313,13 +327,10 @@ def _zero_problems(config: Mapping) -> list[str]:
     return out
 
 
-def _optimizer_problems(config: Mapping) -> list[str]:
-    import torch  # any torch.optim / torch.optim.lr_scheduler class name works too
-
-    out = []
-    optimizers, schedulers = deepspeed_names()
-    for key, known, module in (("optimizer", optimizers, torch.optim),
-                               ("scheduler", schedulers, torch.optim.lr_scheduler)):
+def _optimizer_problems(config: Mapping, facts: DeepSpeedFacts) -> list[str]:
+    out = []  # DeepSpeed's own names, and any torch.optim / torch.optim.lr_scheduler class name
+    for key, known, torch_names in (("optimizer", facts.optimizers, facts.torch_optimizers),
+                                    ("scheduler", facts.schedulers, facts.torch_schedulers)):
         section = config.get(key)
         if section is None:
             continue
@@ -330,41 +341,42 @@ def _optimizer_problems(config: Mapping) -> list[str]:
         name = str(section["type"])
         # DeepSpeed matches its optimizer names in any case, scheduler names exactly
         ours = name.lower() in known if key == "optimizer" else name in known
-        if not ours and not isinstance(getattr(module, name, None), type):
-            torch_names = [n for n in dir(module) if isinstance(getattr(module, n), type) and n[0].isupper()]
+        if not ours and name not in torch_names:
+            public = [n for n in torch_names if n[0].isupper()]
             attr = "optim" if key == "optimizer" else "optim.lr_scheduler"
             out.append(f"{key}.type {name!r} is neither a DeepSpeed {key} ({', '.join(sorted(known))}) nor a "
-                       f"torch.{attr} class{_suggest(name, [*known, *torch_names])}")
+                       f"torch.{attr} class{_suggest(name, [*known, *public])}")
     return out
 
 
-def validate(config: Mapping, world_size: int | None, *, accelerator: str | None = None,
-             capabilities: list[str] | None = None) -> list[str]:
+def validate(config: Mapping, world_size: int | None, *, accelerator: str, capabilities: list[str] | None = None,
+             facts: DeepSpeedFacts) -> list[str]:
     """Every problem with ``config`` for a run on ``world_size`` ranks, as messages that say what to change.
 
     Checks: unknown top-level keys (DeepSpeed ignores them silently) with a "did you mean"; the batch rule
-    (skipped when ``world_size`` is None); fp16/bf16 against ``accelerator`` ("cpu" or "cuda", detected when
-    None; on "cuda", ``capabilities`` as in :func:`supported_dtypes`); ZeRO stage 0-3, unknown zero keys, offload/stage combinations and offload devices; optimizer and
-    scheduler names; a negative gradient_clipping. An empty list means none found.
+    (skipped when ``world_size`` is None); fp16/bf16 against ``accelerator`` ("cpu" or "cuda"; on "cuda",
+    ``capabilities`` as in :func:`supported_dtypes`); ZeRO stage 0-3, unknown zero keys, offload/stage combinations
+    and offload devices; optimizer and scheduler names; a negative gradient_clipping. An empty list means none found.
+    ``facts``: what the installed DeepSpeed accepts (:class:`DeepSpeedFacts`).
 
     Example::
 
         validate({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 32,
-                  "gradient_accumulation_steps": 2}, world_size=2)
+                  "gradient_accumulation_steps": 2}, world_size=2, accelerator="cpu", facts=deepspeed_facts.facts())
         # ["batch arithmetic: ... 32 x 2 x 2 = 128, not 64. ('2 x 32 = 64' forgets gradient_accumulation_steps=2 ...)"]
     """
     if not isinstance(config, Mapping):
         return [f"a ds_config is a JSON object (dict), got {type(config).__name__}"]
-    out = [f"unknown top-level key {k!r} (DeepSpeed would silently ignore it){_suggest(k, known_keys())}"
-           for k in config if k not in known_keys()]
+    out = [f"unknown top-level key {k!r} (DeepSpeed would silently ignore it){_suggest(k, facts.known_keys)}"
+           for k in config if k not in facts.known_keys]
     if world_size is not None:
         if not (_is_count(world_size) and world_size >= 1):
             out.append(f"world_size must be a whole number >= 1, got {world_size!r}")
         else:
             out += _batch_problems(config, world_size)
-    out += _precision_problems(config, accelerator or default_accelerator(), capabilities)
-    out += _zero_problems(config)
-    out += _optimizer_problems(config)
+    out += _precision_problems(config, accelerator, capabilities)
+    out += _zero_problems(config, facts)
+    out += _optimizer_problems(config, facts)
     clip = config.get("gradient_clipping")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or clip < 0):
         out.append(f"gradient_clipping is the largest allowed global gradient norm: a number >= 0 (0 turns it "
@@ -372,18 +384,20 @@ def validate(config: Mapping, world_size: int | None, *, accelerator: str | None
     return out
 
 
-def check(config: Mapping | str | os.PathLike, world_size: int, *, accelerator: str | None = None,
-          capabilities: list[str] | None = None) -> None:
+def check(config: Mapping | str | os.PathLike, world_size: int, *, accelerator: str,
+          capabilities: list[str] | None = None, facts: DeepSpeedFacts) -> None:
     """Raise :class:`ConfigError` listing every problem :func:`validate` finds; return None when there are none.
 
-    ``config`` may be a dict or a path to a JSON file. Called before launch (helpers.launch.deepspeed) and by
-    course/ds_cifar10.py on its final config, so a learner sees these messages, not DeepSpeed's assertions.
+    ``config`` may be a dict or a path to a JSON file. Called before launch (helpers.launch.deepspeed) and, through
+    :func:`helpers.rank.deepspeed_facts.check_config`, by the DeepSpeed course scripts on their final config, so a
+    learner sees these messages, not DeepSpeed's assertions.
 
     Example::
 
-        check({"train_micro_batch_size_per_gpu": 32, "fp16": {"enabled": True}}, 2, accelerator="cpu")
+        check({"train_micro_batch_size_per_gpu": 32, "fp16": {"enabled": True}}, 2, accelerator="cpu",
+              facts=deepspeed_facts.facts())
         # ConfigError: ... fp16 is enabled but DeepSpeed runs on the CPU here ... set "bf16": {"enabled": true} ...
     """
-    problems = validate(load(config), world_size, accelerator=accelerator, capabilities=capabilities)
+    problems = validate(load(config), world_size, accelerator=accelerator, capabilities=capabilities, facts=facts)
     if problems:
         raise ConfigError(problems)

@@ -13,8 +13,8 @@ variance). ZeRO splits them over the N data-parallel ranks, one more kind per st
 Pure calculations (no process group, no subprocess); the measured column lives on the rank side:
 
 * :func:`zero_model_state_bytes` -- the formula (``precision="mixed"`` as above; ``"fp32"``: 4 + 4 + K = 8).
-* :func:`deepspeed_estimate` -- DeepSpeed's own ``estimate_zero{2,3}_model_states_mem_needs_all_cold``, whose
-  printed table is captured and parsed.
+* :func:`parse_estimate` -- the table DeepSpeed's own ``estimate_zero{2,3}_model_states_mem_needs_all_cold``
+  prints, as rows (:func:`helpers.rank.deepspeed_facts.deepspeed_estimate` runs the estimator and captures it).
 * :func:`compare_to_formula` -- what a rank measured (:func:`helpers.rank.state.model_state_bytes`) against the
   formula.
 
@@ -24,9 +24,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import os
 import re
 
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}  # bytes per parameter: (weight, gradient, optimizer K)
@@ -108,57 +105,6 @@ def parse_estimate(text: str) -> list[dict]:
             options[key.strip()] = int(value) if value.isdigit() else value
         rows.append({"per_cpu_gib": float(m[1]), "per_gpu_gib": float(m[2]), "options": options})
     return rows
-
-
-def deepspeed_estimate(params: int, num_gpus_per_node: int, num_nodes: int = 1, stage: int = 2, *,
-                       largest_layer_params: int | None = None, additional_buffer_factor: float = 1.5) -> dict:
-    """DeepSpeed's own model-state estimate for ZeRO stage 2 or 3, one row per offload option.
-
-    Runs ``estimate_zero2_model_states_mem_needs_all_cold`` / ``estimate_zero3_..._all_cold`` (they print),
-    captures the table, and returns ``{"text": <what it printed>, "rows": [...]}``. Each row has ``options``
-    (offload_optimizer, and for stage 3 offload_param and zero_init), the printed ``per_cpu_gib``/``per_gpu_gib``,
-    and the unrounded ``per_cpu_bytes``/``per_gpu_bytes`` from the same DeepSpeed function the printer calls.
-
-    DeepSpeed's GPU column is not the paper's: without offload it charges 2P + 18P/N at stage 2 (the 18 adds an fp32
-    gradient copy, 4 bytes, to the paper's 2 + 12) and 4 x largest layer + 18P/N at stage 3 (room to gather the
-    biggest layer). Its CPU column is host memory for loading/offload, scaled by ``additional_buffer_factor``.
-
-    Example::
-
-        est = deepspeed_estimate(20_000_000, num_gpus_per_node=2, stage=3, largest_layer_params=6_500_000)
-        print(est["text"]); est["rows"][-1]["per_gpu_bytes"]
-    """
-    if stage not in (2, 3):
-        raise ValueError(f"DeepSpeed has estimators for stage 2 and 3 only, got stage={stage!r}")
-    if stage == 3 and largest_layer_params is None:
-        raise ValueError("stage 3 needs largest_layer_params (parameters of the biggest module; "
-                         "helpers.calc.memory.largest_layer_params(model) counts them)")
-    kw = dict(total_params=params, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
-              additional_buffer_factor=additional_buffer_factor)
-    buf = io.StringIO()
-    # The estimators are arithmetic. Importing DeepSpeed picks an accelerator, and in a notebook kernel that must not
-    # be CUDA (the kernel never touches the GPU; every rank is a subprocess, and helpers.launch sets the ranks' own).
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if stage == 2:
-        from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs as exact,
-                                                          estimate_zero2_model_states_mem_needs_all_cold as show)
-        with contextlib.redirect_stdout(buf):
-            show(**kw)
-    else:
-        from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs as exact,
-                                                   estimate_zero3_model_states_mem_needs_all_cold as show)
-        kw["largest_layer_params"] = largest_layer_params
-        with contextlib.redirect_stdout(buf):
-            show(**kw)
-    rows = parse_estimate(buf.getvalue())
-    for row in rows:
-        opts = row["options"]
-        extra = {"cpu_offload": opts.get("offload_optimizer") == "cpu"}
-        if stage == 3:
-            extra.update(cpu_offload_params=opts.get("offload_param") == "cpu", zero_init=bool(opts.get("zero_init")))
-        cpu, gpu = exact(**kw, **extra)[:2]
-        row.update(per_cpu_bytes=cpu, per_gpu_bytes=gpu)
-    return {"text": buf.getvalue(), "rows": rows}
 
 
 def compare_to_formula(measured: dict, params: int, world_size: int, stage: int, dtype: str) -> dict:

@@ -7,7 +7,7 @@ never initialises CUDA, so a crashed or hung run cannot poison the kernel.
 Example::
 
     from helpers import launch
-    run = launch.torchrun("course/allreduce_check.py", nproc=2)
+    run = launch.torchrun("train.py", nproc=2)
     run.result            # merged ``Reporter.result`` records of the ranks
     run.log(1)            # everything rank 1 printed
 
@@ -16,11 +16,14 @@ stalls (no output and no metric for ``stall_timeout`` seconds), a crashed rank a
 KeyboardInterrupt (the notebook's stop button) all end in the same place: the whole process tree
 is killed and nothing is left running.
 
-The package: :mod:`~helpers.launch.spec` checks a launch's arguments once, before anything starts;
+The package: :mod:`~helpers.launch.machine` describes the machine (GPUs, cores, backend, ports), detected or given
+as ``machine=``; :mod:`~helpers.launch.spec` checks a launch's arguments against it once, before anything starts;
 :mod:`~helpers.launch.environment` makes the run directory, the ranks' environment and a free port;
-:mod:`~helpers.launch.session` runs and watches the launcher's process tree; :mod:`~helpers.launch.diagnose` says
-which rank failed and why; :mod:`~helpers.launch.nodes` plays the nodes of a multi-node job on one machine; :mod:`~helpers.launch.plain` runs a
-script the way ``python script.py`` in a terminal would, bounded and cleaned up.
+:mod:`~helpers.launch.session` runs and watches the launcher's process tree; :mod:`~helpers.launch.processes` kills
+it (the whole run, whatever is left of it), holds the stop button while it does, and ends a run whose kernel died;
+:mod:`~helpers.launch.diagnose` says which rank failed and why; :mod:`~helpers.launch.nodes` plays the nodes of a
+multi-node job on one machine; :mod:`~helpers.launch.plain` runs a script the way ``python script.py`` in a terminal
+would, bounded and cleaned up.
 """
 from __future__ import annotations
 
@@ -31,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..rank import metrics as _metrics
-# The machine probes. Every module of the launcher calls them through this package (spec._machine), so replacing
-# one here -- the tests play machines with other GPUs, cores or port ranges that way -- changes what all of it sees.
-from ..rank.devices import cpu_count, default_backend, default_nproc, gpu_count
+from ..rank.devices import cpu_count  # noqa: F401  (benchmarks/ split the cores by it)
 from .diagnose import _SECONDARY, _attempts, _error_for
-from .environment import _ephemeral_port_range, _new_run_dir, free_port, rank_env, runs_root
+from .environment import _new_run_dir, free_port, rank_env, runs_root
+from .machine import Machine
+from .machine import ephemeral_port_range as _ephemeral_port_range  # noqa: F401  (tests compare ports with it)
 from .plain import PlainRun, python
 from .session import _Session, kill_tree
 from .spec import PROJECT_ROOT, LaunchError, LaunchSpec, _check_args  # _check_args, _SECONDARY: tests use them
@@ -82,7 +85,7 @@ class Run:
 
 
 def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeout=None, name=None,
-             show="rank0", max_restarts: int = 0, nnodes: int = 1) -> Run:
+             show="rank0", max_restarts: int = 0, nnodes: int = 1, machine: Machine | None = None) -> Run:
     """Run ``script`` on ``nproc`` ranks with ``torchrun`` and wait for it.
 
     ``show``: "rank0" streams rank 0's lines, "all" every rank's (and the launcher's), "none" nothing.
@@ -92,29 +95,31 @@ def torchrun(script, nproc=None, args=(), *, env=None, timeout=None, stall_timeo
     ``env``: extra variables for the ranks; ``{"CUDA_VISIBLE_DEVICES": ""}`` runs CPU ranks with gloo on a GPU machine.
     ``nnodes``: rehearse a multi-node job on this machine: that many torchrun agents ("nodes", see
     :mod:`helpers.launch.nodes`), each running ``nproc`` ranks, meet at a c10d rendezvous. CPU ranks only.
+    ``machine``: the :class:`Machine` to decide defaults and checks for (None: this one, detected).
 
     Example::
 
-        run = torchrun("course/ddp_cifar10.py", nproc=2, args=["--epochs", "1"], stall_timeout=60)
+        run = torchrun("train.py", nproc=2, args=["--epochs", "1"], stall_timeout=60)
     """
     spec = LaunchSpec.check("torchrun", script, nproc, args, env=env, timeout=timeout, stall_timeout=stall_timeout,
-                            name=name, show=show, max_restarts=max_restarts, nnodes=nnodes)
+                            name=name, show=show, max_restarts=max_restarts, nnodes=nnodes, machine=machine)
     return _launch(spec, _torchrun_command)
 
 
 def deepspeed(script, nproc=None, args=(), *, config=None, env=None, timeout=None, stall_timeout=None,
-              name=None, show="rank0") -> Run:
+              name=None, show="rank0", machine: Machine | None = None) -> Run:
     """Run ``script`` with DeepSpeed's own launcher (``deepspeed --num_gpus N``).
 
     ``config`` is a path to a ds_config JSON file or a dict; either way the script receives
-    ``--deepspeed_config <file>`` (a dict is written into the run directory first).
+    ``--deepspeed_config <file>`` (a dict is written into the run directory first). ``machine``: as for
+    :func:`torchrun`.
 
     Example::
 
-        run = deepspeed("course/ds_cifar10.py", nproc=2, config={"train_batch_size": 64, ...})
+        run = deepspeed("train_ds.py", nproc=2, config={"train_batch_size": 64, ...})
     """
     spec = LaunchSpec.check("deepspeed", script, nproc, args, env=env, timeout=timeout, stall_timeout=stall_timeout,
-                            name=name, show=show, config=config)
+                            name=name, show=show, config=config, machine=machine)
     return _launch(spec, _deepspeed_command)
 
 
@@ -145,7 +150,7 @@ def _deepspeed_command(spec: LaunchSpec, port: int, run_dir: Path) -> tuple[list
     it makes every rank write its own log."""
     cfg_args = []
     if isinstance(spec.config, dict):
-        cfg_file = run_dir / "ds_config.json"
+        cfg_file = run_dir / "deepspeed_config.json"
         cfg_file.write_text(json.dumps(spec.config, indent=2))
         cfg_args = ["--deepspeed_config", str(cfg_file)]
     elif spec.config is not None:
@@ -160,14 +165,14 @@ def _deepspeed_command(spec: LaunchSpec, port: int, run_dir: Path) -> tuple[list
 def _launch(spec: LaunchSpec, command_for) -> Run:
     """Start the run ``spec`` describes, follow it to its end and record the outcome in ``result.json``."""
     run_dir = _new_run_dir(spec.name)
-    rank_env_, backend = rank_env(spec.nproc * spec.nnodes, run_dir, spec.env)
-    port = free_port()
+    rank_env_, backend = rank_env(spec.nproc * spec.nnodes, run_dir, spec.env, spec.machine)
+    port = free_port(machine=spec.machine)
     cmd, rank_log_dir = command_for(spec, port, run_dir)
     record = {"kind": spec.kind, "script": str(spec.script), "args": list(spec.args), "nproc": spec.nproc,
               "nnodes": spec.nnodes, "backend": backend,
               "port": port, "command": cmd, "omp_num_threads": rank_env_["OMP_NUM_THREADS"],
               "ds_accelerator": rank_env_.get("DS_ACCELERATOR"), "python": sys.executable,
-              "gpus": spec.gpus, "cpus": cpu_count(), "started": time.time()}
+              "gpus": spec.gpus, "cpus": spec.machine.cpus, "started": time.time()}
     (run_dir / "env.json").write_text(json.dumps(record, indent=2))
 
     session = _Session(cmd, rank_env_, run_dir, spec.nproc, spec.show, rank_log_dir)

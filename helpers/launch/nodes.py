@@ -5,7 +5,7 @@ every worker's RANK. This module does the same on one machine: agent ``i`` is "n
 127.0.0.1, and their output is merged into one stream (each line already carries its global rank prefix).
 
     python -m helpers.launch.nodes --nnodes 2 --port 29400 --log-dir runs/x/elastic -- \\
-        --nproc-per-node 1 course/ddp_cifar10.py --epochs 1
+        --nproc-per-node 1 train.py --epochs 1
 """
 from __future__ import annotations
 

@@ -1,19 +1,28 @@
 """What to launch, checked once before anything starts: :class:`LaunchSpec` and the :class:`LaunchError` it raises.
 
 A refused launch leaves nothing behind: no run directory, no process, no waiting. Every check happens in
-:meth:`LaunchSpec.check`; the rest of the launcher reads the spec and never checks again.
+:meth:`LaunchSpec.check`, against an explicit :class:`~helpers.launch.machine.Machine`; the rest of the launcher
+reads the spec and never checks again.
+
+The launcher knows no course script by name. A script that wants its own flags checked before launch declares
+the rules at module level, as a literal dict the launcher reads without importing or running the script::
+
+    LAUNCH_RULES = {"--shard-size": "divides_world_size"}
+
+Rule names are the keys of :data:`helpers.calc.mesh.RULES`.
 """
 from __future__ import annotations
 
+import ast
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from ..calc.mesh import shard_size_problem
+from ..calc import mesh
+from .machine import Machine
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _SHOW_CHOICES = ("rank0", "all", "none")
@@ -36,15 +45,6 @@ class LaunchError(Exception):
         self.reason = reason
 
 
-def _machine():
-    """The ``helpers.launch`` package, through which the launcher asks about the machine (``gpu_count``,
-    ``cpu_count``, ``default_nproc``, ``default_backend``, ``_ephemeral_port_range``).
-
-    Looked up at call time, so replacing one of them on ``helpers.launch`` -- as the tests do to play a machine
-    with other GPUs, cores or ports -- reaches every module of the launcher."""
-    return sys.modules[__package__]
-
-
 @dataclass(frozen=True)
 class LaunchSpec:
     """One launch, every argument checked: build it with :meth:`check`, which refuses bad input."""
@@ -60,14 +60,21 @@ class LaunchSpec:
     stall_timeout: float | None
     show: str
     name: str                      # the run directory's parent under runs_root()
+    machine: Machine               # what the checks and defaults were decided for
     max_restarts: int = 0
     config: Path | dict | None = None  # deepspeed: an existing JSON file or a dict
 
     @classmethod
     def check(cls, kind: str, script, nproc=None, args=(), *, env=None, timeout=None, stall_timeout=None,
-              name=None, show="rank0", max_restarts=0, nnodes=1, config=None) -> LaunchSpec:
-        """The launch these arguments ask for, or a :class:`LaunchError` with ``reason="invalid"`` naming the first
-        problem found and what to change."""
+              name=None, show="rank0", max_restarts=0, nnodes=1, config=None,
+              machine: Machine | None = None) -> LaunchSpec:
+        """The launch these arguments ask for on ``machine`` (None: this one, :meth:`Machine.detect`), or a
+        :class:`LaunchError` with ``reason="invalid"`` naming the first problem found and what to change."""
+        if machine is None:
+            machine = Machine.detect()
+        elif not isinstance(machine, Machine):
+            raise LaunchError(f"machine must be a helpers.launch.Machine or None, got {type(machine).__name__}",
+                              reason="invalid")
         config = _check_config(config)
         _check_whole("max_restarts", max_restarts, 0)
         arg_list = _check_args(args)
@@ -75,26 +82,26 @@ class LaunchSpec:
             _check_script_flags(arg_list)
         _check_whole("nnodes", nnodes, 1)
         extra_env = _check_env(env)
-        gpus = _visible_gpus(extra_env)
+        gpus = _visible_gpus(extra_env, machine)
         if nnodes > 1 and gpus:
             raise LaunchError("nnodes>1 rehearses several nodes on ONE machine, where the 'nodes' would share GPUs; "
                               "pass env={'CUDA_VISIBLE_DEVICES': ''} for CPU ranks, or run one torchrun per real "
-                              "node (course/slurm_torchrun.sbatch)", reason="invalid")
+                              "node (the SLURM templates in course/ do)", reason="invalid")
         script_path = _resolve_script(script)
-        nproc = _check_nproc(nproc, gpus)
-        if nnodes > 1:
-            cpus = _machine().cpu_count()
-            if nproc * nnodes > 8 * cpus:
-                raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {cpus} cores would thrash", reason="invalid")
+        nproc = _check_nproc(nproc, gpus, machine)
+        if nnodes > 1 and nproc * nnodes > 8 * machine.cpus:
+            raise LaunchError(f"{nnodes} nodes x {nproc} ranks on {machine.cpus} cores would thrash",
+                              reason="invalid")
         if config is not None:
-            _check_config_fits(config, nproc * nnodes, gpus)
-        _check_course_script_args(script_path, arg_list, nproc * nnodes)
+            _check_config_fits(config, nproc * nnodes, gpus, machine)
+        _check_script_rules(script_path, arg_list, nproc * nnodes)
         _check_timeouts(timeout, stall_timeout)
         if show not in _SHOW_CHOICES:
             raise LaunchError(f"show must be one of {_SHOW_CHOICES}, got {show!r}", reason="invalid")
         return cls(kind=kind, script=script_path, nproc=nproc, nnodes=nnodes, args=tuple(arg_list),
                    env=MappingProxyType(extra_env), gpus=gpus, timeout=timeout, stall_timeout=stall_timeout,
-                   show=show, name=name or script_path.stem, max_restarts=max_restarts, config=config)
+                   show=show, name=name or script_path.stem, machine=machine, max_restarts=max_restarts,
+                   config=config)
 
 
 def _check_whole(label: str, value, minimum: int) -> None:
@@ -115,15 +122,14 @@ def _resolve_script(script) -> Path:
                       f"current directory or the course root {PROJECT_ROOT}.", reason="invalid")
 
 
-def _visible_gpus(extra_env: Mapping[str, str]) -> int:
+def _visible_gpus(extra_env: Mapping[str, str], machine: Machine) -> int:
     """GPUs the ranks will see: none when the caller hides them with ``env={"CUDA_VISIBLE_DEVICES": ""}``."""
-    return 0 if extra_env.get("CUDA_VISIBLE_DEVICES", None) == "" else _machine().gpu_count()
+    return 0 if extra_env.get("CUDA_VISIBLE_DEVICES", None) == "" else machine.gpus
 
 
-def _check_nproc(nproc, gpus: int) -> int:
-    machine = _machine()
+def _check_nproc(nproc, gpus: int, machine: Machine) -> int:
     if nproc is None:  # GPUs hidden: CPU ranks, as on a CPU machine
-        return machine.default_nproc() if gpus == machine.gpu_count() else 2
+        return machine.default_nproc if gpus == machine.gpus else 2
     if isinstance(nproc, bool) or not isinstance(nproc, int):
         raise LaunchError(f"nproc must be a whole number of processes, got {nproc!r} "
                           f"({type(nproc).__name__})", reason="invalid")
@@ -133,7 +139,7 @@ def _check_nproc(nproc, gpus: int) -> int:
         raise LaunchError(f"nproc={nproc} but this machine has {gpus} GPU(s): one rank per GPU. "
                           f"Use nproc<={gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES='') to run "
                           f"{nproc} CPU ranks with gloo.", reason="invalid")
-    cpus = machine.cpu_count()
+    cpus = machine.cpus
     if not gpus and nproc > 8 * cpus:
         raise LaunchError(f"nproc={nproc} CPU ranks on {cpus} cores would thrash; "
                           f"use at most {8 * cpus}.", reason="invalid")
@@ -186,21 +192,53 @@ def _flag_value(arg_list: list[str], flag: str) -> str | None:
     return value
 
 
-def _check_course_script_args(script_path: Path, arg_list: list[str], world_size: int) -> None:
-    """Mistakes in a course script's own arguments that are visible before anything starts: FSDP2's mesh, which
-    must hold the world exactly (``course/fsdp2_cifar10.py`` checks the same inside each rank)."""
-    if script_path.name != "fsdp2_cifar10.py":
-        return
-    value = _flag_value(arg_list, "--shard-size")
-    if value is None:
-        return
+def _launch_rules(script_path: Path) -> dict[str, str]:
+    """The script's ``LAUNCH_RULES`` (flag -> rule name), read from its source without importing or running it; {}
+    when it declares none. A declaration that is not a literal dict of flag -> known rule name is refused."""
     try:
-        shard_size = int(value)
-    except ValueError:
-        raise LaunchError(f"--shard-size must be a whole number of ranks, got {value!r}", reason="invalid") from None
-    problem = shard_size_problem(world_size, shard_size)
-    if problem:
-        raise LaunchError(problem, reason="invalid")
+        tree = ast.parse(script_path.read_text(), filename=str(script_path))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return {}  # not this check's business: the ranks will report it with the interpreter's own message
+    node = None
+    for stmt in tree.body:  # module level only; the last assignment wins, as it would when the script runs
+        if isinstance(stmt, ast.Assign):
+            targets = stmt.targets
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            targets = [stmt.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "LAUNCH_RULES" for t in targets):
+            node = stmt.value
+    if node is None:
+        return {}
+    example = "LAUNCH_RULES = {'--shard-size': 'divides_world_size'}"
+    try:
+        rules = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        rules = None
+    if not isinstance(rules, dict) or not all(isinstance(k, str) and k.startswith("-") and isinstance(v, str)
+                                              for k, v in rules.items()):
+        raise LaunchError(f"{script_path.name} line {node.lineno}: LAUNCH_RULES must be a literal dict of flag -> "
+                          f"rule name, such as {example}", reason="invalid")
+    unknown = {flag: rule for flag, rule in rules.items() if rule not in mesh.RULES}
+    if unknown:
+        flag, rule = next(iter(unknown.items()))
+        raise LaunchError(f"{script_path.name} line {node.lineno}: LAUNCH_RULES gives {flag} the rule {rule!r}, "
+                          f"which is not one of helpers.calc.mesh.RULES ({', '.join(sorted(mesh.RULES))})",
+                          reason="invalid")
+    return rules
+
+
+def _check_script_rules(script_path: Path, arg_list: list[str], world_size: int) -> None:
+    """Mistakes in a script's own arguments that are visible before anything starts, by the rules the script
+    declares (``LAUNCH_RULES``); the script applies the same rules inside each rank when started from a terminal."""
+    for flag, rule in _launch_rules(script_path).items():
+        value = _flag_value(arg_list, flag)
+        if value is None:
+            continue
+        problem = mesh.RULES[rule](flag, value, world_size)
+        if problem:
+            raise LaunchError(problem, reason="invalid")
 
 
 def _check_env(env) -> dict[str, str]:
@@ -236,16 +274,16 @@ def _check_config(config) -> Path | dict | None:
     return path
 
 
-def _check_config_fits(config: Path | dict, world_size: int, gpus: int) -> None:
+def _check_config_fits(config: Path | dict, world_size: int, gpus: int, machine: Machine) -> None:
     """The config against this world size and device, with messages that say what to change, before
     DeepSpeed's own assertions could be the first thing a learner sees."""
     from ..calc import dsconfig
-    on_gpus = _machine().default_backend() == "nccl" and gpus
-    capabilities = None
-    if on_gpus:  # bf16 needs compute capability 8.0+; asked of a subprocess, the kernel never touches CUDA
-        from ..notebook.env import cuda_capabilities
-        capabilities = cuda_capabilities()
+    from ..rank.deepspeed_facts import facts
+    on_gpus = machine.backend == "nccl" and gpus
+    # bf16 needs compute capability 8.0+; asked of a subprocess, the kernel never touches CUDA
+    capabilities = machine.cuda_capabilities() if on_gpus else None
     try:
-        dsconfig.check(config, world_size, accelerator="cuda" if on_gpus else "cpu", capabilities=capabilities)
+        dsconfig.check(config, world_size, accelerator="cuda" if on_gpus else "cpu", capabilities=capabilities,
+                       facts=facts())
     except dsconfig.ConfigError as err:
         raise LaunchError(str(err), reason="invalid") from None

@@ -3,8 +3,8 @@
 The notebook kernel must never initialise CUDA (every rank is a subprocess: see the README), so
 this module only *counts* GPUs in-process (``torch.cuda.device_count()`` asks NVML and leaves
 CUDA uninitialised). Everything that needs a CUDA context -- device names, memory, cuDNN and
-NCCL versions -- comes from a short subprocess, ``python -m helpers.notebook.env --probe``, that prints
-JSON. ``ds_report`` and the ``torch.compile`` smoke test run in subprocesses too.
+NCCL versions -- comes from the launcher's CUDA probe (:func:`helpers.launch.machine.cuda_probe`), a short
+subprocess that prints JSON. ``ds_report`` and the ``torch.compile`` smoke test run in subprocesses too.
 
 Example (``python -m helpers.notebook.env`` prints the report as JSON)::
 
@@ -25,12 +25,11 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from ..calc.comm import bus_bandwidth  # noqa: F401  (notebook 00 calls env.bus_bandwidth)
+from ..launch.machine import cuda_capabilities, cuda_probe  # noqa: F401  (cuda_capabilities: for callers here)
 from ..rank.devices import cpu_count, default_backend, default_nproc, gpu_count  # noqa: F401
 
 PROFILES = ("auto", "smoke", "full")
 PROFILE_ENV = "COURSE_PROFILE"
-_ROOT = Path(__file__).resolve().parents[2]   # the directory that holds the helpers package
 _GIB = 1024 ** 3
 
 
@@ -60,45 +59,7 @@ def profile(requested: str = "auto") -> str:
     return resolved
 
 
-# --- the CUDA probe (runs in a subprocess) ----------------------------------------------------
-def _probe_here() -> dict:
-    """Runs inside ``python -m helpers.notebook.env --probe``: free to initialise CUDA, then exits."""
-    import torch
-    out: dict = {"device_count": torch.cuda.device_count(), "devices": [], "cudnn": None, "nccl": None, "error": None}
-    if out["device_count"] == 0:
-        return out
-    try:
-        for i in range(out["device_count"]):
-            p = torch.cuda.get_device_properties(i)
-            out["devices"].append({"index": i, "name": p.name, "memory_total_gib": round(p.total_memory / _GIB, 2),
-                                   "capability": f"{p.major}.{p.minor}"})
-        out["bf16"] = torch.cuda.is_bf16_supported()
-        out["cudnn"] = torch.backends.cudnn.version()
-        nccl = torch.cuda.nccl.version()
-        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-    except Exception as exc:  # a broken driver is exactly what the report is for
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _probe() -> dict:
-    """The probe's JSON; without GPUs there is nothing to ask CUDA, so no subprocess."""
-    if gpu_count() == 0:
-        return {"device_count": 0, "devices": [], "cudnn": None, "nccl": None, "error": None}
-    pythonpath = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
-    try:
-        proc = subprocess.run([sys.executable, "-m", "helpers.notebook.env", "--probe"], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "PYTHONPATH": pythonpath})
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        error = "no answer within 120 s"
-    except (json.JSONDecodeError, IndexError):
-        error = proc.stderr.strip()[-500:] or f"exit code {proc.returncode}"
-    return {"device_count": gpu_count(), "devices": [], "cudnn": None, "nccl": None,
-            "error": f"CUDA probe failed: {error}"}
-
-
+# --- the driver's view -----------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def nvidia_smi() -> list[dict]:
     """GPUs as the driver sees them (ignores CUDA_VISIBLE_DEVICES); [] where nvidia-smi is absent."""
@@ -126,7 +87,7 @@ def _dist_version(name: str) -> str | None:
 def versions() -> dict:
     """Versions that matter for a bug report; CUDA-side ones are None on a CPU-only machine."""
     import torch
-    probe = _probe()
+    probe = cuda_probe()
     return {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "cudnn": probe.get("cudnn"), "nccl": probe.get("nccl"), "deepspeed": _dist_version("deepspeed"),
             "torchvision": _dist_version("torchvision"), "platform": platform.platform()}
@@ -142,7 +103,7 @@ def _cpu_model() -> str:
 
 def devices() -> list[dict]:
     """One dict per GPU (index, name, memory_total_gib, ...); on CPU one dict describing the CPU."""
-    gpus, smi = _probe()["devices"], nvidia_smi()
+    gpus, smi = cuda_probe()["devices"], nvidia_smi()
     if gpus:
         return [{"kind": "cuda", **g, "driver_version": smi[0]["driver_version"] if smi else None} for g in gpus]
     if gpu_count() > 0 and smi:   # the probe failed but the driver answers
@@ -150,11 +111,6 @@ def devices() -> list[dict]:
     import psutil
     return [{"kind": "cpu", "index": 0, "name": _cpu_model(), "cores": cpu_count(),
              "memory_total_gib": round(psutil.virtual_memory().total / _GIB, 2)}]
-
-
-def cuda_capabilities() -> list[str | None]:
-    """Compute capability ("8.0", ...) of each visible GPU, from the subprocess probe; [] without GPUs."""
-    return [d.get("capability") for d in devices() if d.get("kind") == "cuda"]
 
 
 def backends() -> dict:
@@ -250,7 +206,7 @@ def report(*, allreduce: dict | list | None = None, deepspeed: bool = True, torc
     try:
         rep.update(versions=versions(), gpu_count=gpu_count(), devices=devices(), backends=backends(),
                    backend=default_backend(), nproc=default_nproc(), profile=profile(), cpu_count=cpu_count(),
-                   nvidia_smi=nvidia_smi(), probe_error=_probe().get("error"),
+                   nvidia_smi=nvidia_smi(), probe_error=cuda_probe().get("error"),
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ImportError as exc:
         rep["torch_error"] = f"{type(exc).__name__}: {exc}"
@@ -346,7 +302,4 @@ def verdict_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    if "--probe" in sys.argv[1:]:
-        print(json.dumps(_probe_here()))
-    else:
-        print(json.dumps(report(), indent=2, default=str))
+    print(json.dumps(report(), indent=2, default=str))

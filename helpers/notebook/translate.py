@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,40 +263,3 @@ def translate(chapters, *, english_dir: Path | None = None, update_catalogues: b
         written = chinese_path(english)
         print(f"zh  {ch.id} -> {written.relative_to(root) if written.is_relative_to(root) else written}", flush=True)
     return done
-
-
-# --- is it Chinese? (the test that no English paragraph is left in a Chinese notebook) ---
-INLINE_CODE = r"`(?:[^`\n]|\n(?![ \t]*\n))+`"
-_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
-_LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'-]+")
-_NOT_PROSE = [re.compile(p, re.S) for p in (
-    r"```.*?```",          # fenced code
-    INLINE_CODE,           # inline code (it may wrap onto the next line, as in the English cells)
-    r"\$\$.*?\$\$", r"\$[^$\n]*\$",  # math
-    r"<[^>\n]+>",          # html tags and anchors
-    r"\]\([^)\s]*\)",      # link targets (the link text stays)
-    r"https?://\S+",       # bare addresses
-)]
-MIN_CJK_SHARE = 0.25   # CJK characters / (CJK characters + Latin letters) in a cell's prose
-MAX_ENGLISH_WORDS = 6  # a line with more Latin words than this and no CJK character is an untranslated line
-
-
-def prose(markdown: str) -> str:
-    """``markdown`` without code, math, HTML and link targets: the text a translator must translate."""
-    for pattern in _NOT_PROSE:
-        markdown = pattern.sub(" ", markdown)
-    return markdown
-
-
-def cjk_share(markdown: str) -> float:
-    """CJK characters as a share of CJK characters plus Latin letters in the prose (1.0 when there is none)."""
-    text = prose(markdown)
-    cjk = len(_CJK.findall(text))
-    latin = sum(len(w) for w in _LATIN_WORD.findall(text))
-    return 1.0 if cjk + latin == 0 else cjk / (cjk + latin)
-
-
-def english_lines(markdown: str) -> list[str]:
-    """Lines of prose that read as untranslated English: several Latin words and not one CJK character."""
-    return [line.strip() for line in prose(markdown).splitlines()
-            if len(_LATIN_WORD.findall(line)) > MAX_ENGLISH_WORDS and not _CJK.search(line)]

@@ -2,7 +2,8 @@
 
 The calculator puts two answers to "how many bytes of model states does each device hold?" side by side: the ZeRO
 paper's formula (Rajbhandari et al. 2020, arXiv:1910.02054, Fig. 1) and DeepSpeed's own estimator (stages 2 and 3).
-Every figure comes from :mod:`helpers.calc.memory`; this module only chooses, arranges and labels them.
+Every figure comes from :mod:`helpers.calc.memory` and DeepSpeed's estimator
+(:func:`helpers.rank.deepspeed_facts.deepspeed_estimate`); this module only chooses, arranges and labels them.
 
 Example::
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import ipywidgets as w
 
 from ..calc import memory
+from ..rank.deepspeed_facts import deepspeed_estimate
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 DEVICE_CHOICES = tuple(2 ** i for i in range(11))  # 1 .. 1024
@@ -78,8 +80,8 @@ def _deepspeed_row(params: float, devices: int, stage: int, optimizer_off: bool,
     # whole 8-accelerator nodes where the count allows, else one node of them all (DeepSpeed's CPU column is per node)
     per_node = GPUS_PER_NODE if devices % GPUS_PER_NODE == 0 else devices
     nodes = devices // per_node
-    est = memory.deepspeed_estimate(int(params), num_gpus_per_node=per_node, num_nodes=nodes, stage=stage,
-                                    largest_layer_params=largest_layer if stage == 3 else None)
+    est = deepspeed_estimate(int(params), num_gpus_per_node=per_node, num_nodes=nodes, stage=stage,
+                             largest_layer_params=largest_layer if stage == 3 else None)
 
     def is_cpu(value) -> bool:  # DeepSpeed prints the enum, e.g. "OffloadDeviceEnum.cpu" or "cpu"
         return str(value).split(".")[-1] == "cpu"
@@ -339,12 +341,13 @@ class ConfigBuilder(w.VBox):
 
     def config(self) -> dict:
         """The config for the current choices; raises ``dsconfig.ConfigError`` saying what to change."""
-        accelerator = self.accelerator or self._dsconfig.default_accelerator()
-        capabilities = None
-        if accelerator == "cuda":
-            from .env import cuda_capabilities
-            capabilities = cuda_capabilities()
-        return self._dsconfig.build(**self.choices(), accelerator=accelerator, capabilities=capabilities)
+        from ..launch.machine import cuda_capabilities
+        from ..rank import deepspeed_facts
+        accelerator = self.accelerator or deepspeed_facts.accelerator()
+        # bf16 needs compute capability 8.0+; asked of a subprocess, the kernel never touches CUDA
+        capabilities = cuda_capabilities() if accelerator == "cuda" else None
+        return self._dsconfig.build(**self.choices(), accelerator=accelerator, capabilities=capabilities,
+                                    facts=deepspeed_facts.facts())
 
     def _refresh(self, written=None) -> None:
         import json

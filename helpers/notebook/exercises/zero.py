@@ -57,6 +57,7 @@ def check_config_for_budget(config, *, params: float, world_size: int, budget_gi
         check_config_for_budget({...}, params=1.5e9, world_size=8, budget_gib=12, micro_batch=4, accumulation=8)
     """
     from ...calc import dsconfig, memory
+    from ...rank.deepspeed_facts import facts
     if not isinstance(config, Mapping):
         return Verdict(False, _("expected a ds_config dict, got {answer_type}.", answer_type=type(config).__name__),
                        _("Write the config as a Python dict, the same shape as the JSON files above."))
@@ -65,7 +66,7 @@ def check_config_for_budget(config, *, params: float, world_size: int, budget_gi
         return Verdict(False, _("the config is empty."),
                        _("Start from the fields of section 2: the batch sizes, the precision section and "
                          "zero_optimization."))
-    problems = dsconfig.validate(config, world_size, accelerator="cuda")
+    problems = dsconfig.validate(config, world_size, accelerator="cuda", facts=facts())
     if problems:  # the validator's own message stays English, as it is when launch.deepspeed prints it
         return Verdict(False, _("the validator rejects this config: {problem}", problem=problems[0]),
                        _("Fix what the validator says first (the same checks launch.deepspeed runs before a launch)."))
