@@ -6,7 +6,10 @@ STAMP   := $(VENV)/.course-installed
 PROFILE ?= auto
 NBVAL   := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 600
 
-.PHONY: setup course test unit nbtest lab lab-zh regen translate bench clean
+# The fast tier (make check): every test not marked slow, browser or slurm, and the one real launch marked smoke
+FAST    := (not slow and not browser and not slurm) or smoke
+
+.PHONY: setup course check test unit slow nbtest lab lab-zh regen translate bench clean
 
 setup: $(STAMP)
 
@@ -24,23 +27,34 @@ $(STAMP): pyproject.toml
 course: setup          ## execute every notebook into build/notebooks and print the summary table
 	$(PY) -m helpers course --profile $(PROFILE)
 
-test: unit nbtest      ## unit + fault-injection tests, then nbval on the committed notebooks
+check: setup           ## fast tier (< 5 min): import contracts, calculations, refusals, one real launch, drift
+	$(VENV)/bin/lint-imports --no-cache   # the layers of helpers (pyproject.toml)
+	$(PY) -m pytest tests -q -m "$(FAST)"
 
-unit: setup
-	$(VENV)/bin/lint-imports --no-cache   # the rank / kernel / calc line (pyproject.toml)
-	$(PY) -m pytest tests -q
+test: unit nbtest      ## everything (CI): the fast tier, the slow tests, then nbval on the committed notebooks
+
+# every test once: the fast tier, then the rest
+unit: check slow
+
+slow: setup            ## the tests beyond the fast tier: real multi-process launches, faults, browser, SLURM
+	$(PY) -m pytest tests -q -m "not ($(FAST))"
 
 # no live progress bars: the committed outputs have none (helpers/launch/session.py). The English notebooks only:
 # notebooks/zh/ holds the same cells and outputs (tests/test_translations.py proves it), so nbval runs once.
 nbtest: setup
 	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks/[0-9]*.ipynb -q -p no:cacheprovider
 
+# Kernels over Unix sockets in Jupyter's runtime folder, not TCP on 127.0.0.1 (which any local process can reach, and
+# about which ipykernel warns on every kernel start), where that folder's path leaves a socket path (~100 bytes at
+# most) room for a kernel's ~50. The course runner does the same in a folder of its own (helpers/notebook/runner.py).
+LAB_KERNELS = $(shell $(PY) -c "from jupyter_core.paths import jupyter_runtime_dir as d; print('--KernelManager.transport=ipc' if len(d()) <= 50 else '')" 2>/dev/null)
+
 # COURSE_LANGUAGE=zh_CN (as for the kernel's exercise verdicts, helpers/notebook/i18n.py) makes `make lab` `make lab-zh`
 lab: setup             ## JupyterLab on the course (COURSE_LANGUAGE=zh_CN: in Chinese, on notebooks/zh)
 ifneq ($(filter zh zh_CN zh-CN,$(COURSE_LANGUAGE)),)
 	@$(MAKE) --no-print-directory lab-zh
 else
-	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_environment_check.ipynb
+	$(VENV)/bin/jupyter lab $(LAB_KERNELS) --notebook-dir=. notebooks/00_environment_check.ipynb
 endif
 
 # JupyterLab in Chinese on the Chinese edition. Its settings live in build/lab-zh (your own JupyterLab settings are
@@ -49,7 +63,7 @@ LAB_ZH := build/lab-zh/settings
 lab-zh: setup          ## JupyterLab in Chinese on notebooks/zh (中文版)
 	@mkdir -p $(LAB_ZH)/@jupyterlab/translation-extension
 	@echo '{"locale": "zh_CN"}' > $(LAB_ZH)/@jupyterlab/translation-extension/plugin.jupyterlab-settings
-	JUPYTERLAB_SETTINGS_DIR=$(LAB_ZH) $(VENV)/bin/jupyter lab --notebook-dir=. notebooks/zh/00_environment_check.ipynb
+	JUPYTERLAB_SETTINGS_DIR=$(LAB_ZH) $(VENV)/bin/jupyter lab $(LAB_KERNELS) --notebook-dir=. notebooks/zh/00_environment_check.ipynb
 
 regen: setup           ## instructors: re-execute notebooks in place, strip volatile metadata, rebuild notebooks/zh
 	$(PY) -m helpers regen --profile $(PROFILE)

@@ -192,6 +192,7 @@ def test_weights_fingerprint_sees_a_one_bit_change_and_nothing_else(tmp_path):
 # a writer killed mid-write
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["writing", "before_rename"])
 def test_writer_killed_mid_write_leaves_the_previous_snapshot_loadable(tmp_path, mode):
     previous = _previous_snapshot(tmp_path)
@@ -217,6 +218,7 @@ def test_writer_killed_mid_write_leaves_the_previous_snapshot_loadable(tmp_path,
     assert [snapshot_step(p) for p in list_snapshots(tmp_path)] == [5, 15]
 
 
+@pytest.mark.slow
 def test_a_plain_torch_save_killed_mid_write_leaves_a_torn_snapshot(tmp_path):
     """Why save_atomic exists: writing in place, a crash leaves a file with the snapshot's name that cannot load."""
     _previous_snapshot(tmp_path)

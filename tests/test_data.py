@@ -101,6 +101,7 @@ def test_cifar10_offline_raises_a_clear_error(offline, tmp_path):
     assert "could not be downloaded" in message and str(tmp_path) in message and "synthetic" in message
 
 
+@pytest.mark.slow
 def test_cifar10_gives_up_quickly_when_the_network_hangs(network_hangs, tmp_path):
     start = time.monotonic()
     with pytest.raises(DatasetUnavailableError):

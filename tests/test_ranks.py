@@ -83,6 +83,7 @@ def test_every_distributed_course_script_ends_through_end_rank():
         assert calls == ["end_rank(main())"], f"{path.name} ends with {calls}; use end_rank(main())"
 
 
+@pytest.mark.slow
 def test_forget_deepspeed_shm_buffer_removes_this_ranks_name_after_the_barrier(tmp_path):
     """A one-rank gloo group stands in for DeepSpeed's ranks: the buffer named after this rank, address and port
     goes; another rank's stays (it is that rank's to remove)."""

@@ -9,14 +9,16 @@ import queue
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
 
 import psutil
 
 from ..rank import metrics as _metrics
+from .processes import EXIT_S, _descendants, _parent_watched, _signal_group, _StopButton, kill_run
+from .processes import kill_tree  # noqa: F401  (plain.py and the package take it from here)
 from .spec import PROJECT_ROOT
 
 # "saved": the output is being saved into a notebook (the course runner and `make nbtest` set it), so it must read
@@ -32,7 +34,7 @@ def _saved_output() -> bool:
 
 def course_relative(text: str) -> str:
     """``text`` with the course root's absolute path dropped from the paths in it: what a cell shows a learner is
-    the same on every machine (``runs/x/rank0.log``, ``course/ddp_cifar10.py``). The log files keep the full text."""
+    the same on every machine (``runs/x/rank0.log``, ``course/train.py``). The log files keep the full text."""
     return _UNDER_ROOT.sub("", text)
 
 
@@ -40,31 +42,6 @@ def course_relative(text: str) -> str:
 _UNDER_ROOT = re.compile(r"(?<![\w./-])" + re.escape(f"{PROJECT_ROOT}{os.sep}"))
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        parent = psutil.Process(pid)
-        return [parent] + parent.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def kill_tree(procs: Iterable[psutil.Process], grace: float = 3.0) -> None:
-    """SIGTERM every process, SIGKILL what is still alive after ``grace`` seconds."""
-    procs = [p for p in procs]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
 
 
 class _FileTail:
@@ -109,6 +86,7 @@ class _Session:
         self.held: dict[int | str, list[str]] | None = {} if show == "all" and _saved_output() else None
         self.metrics_tail = _FileTail(run_dir / _metrics.METRICS_FILE)
         self.progress = None
+        self.first_step = 0
         self.total_steps = None
         self.known: dict[int, psutil.Process] = {}
         self.stacks: dict[int, str] = {}
@@ -118,12 +96,25 @@ class _Session:
         # (seconds, more on a busy machine) are not a stall; `timeout` bounds them
         self.alive = False
         self.status = "running"  # until follow() says how the run ended
-        self.proc = subprocess.Popen(cmd, env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        self.reader = threading.Thread(target=self._read_pipe, daemon=True)
-        self.reader.start()
         self.rank_file_tails: dict[Path, _FileTail] = {}
+        self.launcher: psutil.Process | None = None
+        # held until follow() listens: a press while Popen waits for the exec must not leave the launcher unknown
+        self.stop_button = _StopButton()
+        self.proc = None
+        try:
+            self.proc = subprocess.Popen(_parent_watched(cmd), env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                self.launcher = psutil.Process(self.proc.pid)
+            except psutil.Error:
+                pass  # already gone: follow() reads its output and exit code
+            self.reader = threading.Thread(target=self._read_pipe, daemon=True)
+            self.reader.start()
+        except BaseException:
+            if self.proc is not None:  # started, but nobody will follow it
+                _signal_group(self.proc.pid, signal.SIGKILL)
+            self.stop_button.restore(deliver=False)
+            raise
 
     # -- input
     def _read_pipe(self) -> None:
@@ -155,14 +146,14 @@ class _Session:
         if self.show == "all":
             self._print(f"[launcher] {text}", source="launcher")
 
-    def _print(self, text: str, source: int | str | None = None) -> None:
+    def _print(self, text: str, source: int | str | None = None, flush: bool = True) -> None:
         text = course_relative(text)
         if self.held is not None and source is not None:
             self.held.setdefault(source, []).append(text)
         elif self.progress is not None:
             self.progress.write(text)
         else:
-            print(text, flush=True)
+            print(text, flush=flush)
 
     def _drain_pipe(self, wait: float) -> bool:
         """Handle queued launcher lines; False once the pipe is closed."""
@@ -212,10 +203,12 @@ class _Session:
         if rec.get("rank") != 0 or self.show == "none":
             return
         if rec.get("kind") == "total":
-            self.total_steps = rec.get("steps")
+            self.total_steps, self.first_step = rec.get("steps"), rec.get("start", 0)
             self._open_progress()
         elif rec.get("kind") == "step" and self.progress is not None:
-            done = min(rec.get("step", 0) + 1, self.total_steps or 0)
+            # steps are numbered from 1 (helpers.rank.metrics): step k of a run resumed after step `start` is the
+            # (k - start)-th of this run, so the bar ends full on the last step
+            done = min(rec.get("step", 0) - self.first_step, self.total_steps or 0)
             if done > self.progress.n:
                 self.progress.update(done - self.progress.n)
             if "loss" in rec:
@@ -275,6 +268,7 @@ class _Session:
         ("ok", "failed", "timeout", "stalled"). Unless the run succeeded, every process of it is killed, also when
         a KeyboardInterrupt ("interrupted") or any other exception ("error") stops the wait, which then propagates."""
         try:
+            self.stop_button.listen()  # a press while the launcher started is a KeyboardInterrupt now
             open_ = True
             tick = 0
             while True:
@@ -284,7 +278,7 @@ class _Session:
                 if tick % 10 == 0:
                     self._remember_processes()
                 tick += 1
-                if self.proc.poll() is not None and not open_:
+                if not open_ and self._launcher_exited():
                     break
                 if timeout is not None and self.elapsed() > timeout:
                     self.status = "timeout"
@@ -311,19 +305,30 @@ class _Session:
             self.kill()
             raise
 
-    def kill(self) -> None:
-        """Kill the launcher first (so it cannot restart the ranks it sees dying), then every rank we know of.
-
-        Ranks run in sessions of their own, so they are found by the process tree remembered during the run,
-        not by process group. Our own child is reaped by ``Popen.wait``, never by psutil: psutil reaping it
-        first would leave ``Popen`` a return code of 0 for a run it killed."""
-        self._remember_processes()
+    def _launcher_exited(self) -> bool:
+        """``Popen.poll``, with presses held: a KeyboardInterrupt raised inside it can keep Popen's wait lock (2 in
+        ~11,000 presses on a loop of polls), after which a wait for the launcher without a timeout blocks for ever."""
+        listening = self.stop_button.hold()
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        kill_tree([p for pid, p in self.known.items() if pid != self.proc.pid])
-        self.proc.wait()
+            return self.proc.poll() is not None
+        finally:
+            if listening:
+                self.stop_button.listen()
+
+    def kill(self) -> None:
+        """Kill every process of the run (:func:`~helpers.launch.processes.kill_run`: the tree frozen first, then
+        killed), in a second or so and ``FREEZE_S + 2 * EXIT_S`` at most, whatever state they are in; a stop pressed
+        meanwhile waits for the end (and, unless the kill answers one, is raised then). Our own child is reaped by
+        ``Popen.wait``, never by psutil: psutil reaping it first would leave ``Popen`` a return code of 0 for a run it
+        killed."""
+        listening = self.stop_button.hold()
+        kill_run(self.proc.pid, self.launcher, self.known.values(), self.run_dir)
+        try:
+            self.proc.wait(timeout=EXIT_S)  # bounded: never blocks on a wait lock an interrupted poll() kept
+        except subprocess.TimeoutExpired:
+            pass  # not exited 2 s after SIGKILL (uninterruptible I/O): its return code stays unknown
+        if listening:  # a kill for a timeout, stall or failure: a press meanwhile is a KeyboardInterrupt now
+            self.stop_button.listen()
 
     def flush_shown(self) -> None:
         """Print the lines held for a saved output: each rank's in rank order, then the launcher's."""
@@ -332,7 +337,8 @@ class _Session:
         held, self.held = self.held, None
         for source in sorted(k for k in held if k != "launcher") + ["launcher"]:
             for text in held.get(source, []):
-                self._print(text)
+                self._print(text, flush=False)  # one flush for all: in a kernel each waits on its I/O thread
+        sys.stdout.flush()
 
     def close(self) -> None:
         self.flush_shown()
@@ -342,3 +348,6 @@ class _Session:
         for f in self.rank_files.values():
             f.close()
         self.launcher_log.close()
+        # presses after the first (or before follow() listened) were answered by the kill; one that came as the run
+        # ended well is answered now
+        self.stop_button.restore(deliver=self.status == "ok")

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,16 +123,42 @@ def environment_record(profile: str) -> dict:
 
 
 def execute(chapter: Chapter, output: Path, profile: str, overrides: dict, kernel: str, cell_timeout: int) -> None:
-    import papermill as pm
-
     params = dict(chapter.parameters.get(profile, {}))
     params.update(overrides)
     # the kernel inherits this: launches print what a saved output should hold (helpers.launch.session)
     os.environ.setdefault("HELPERS_OUTPUT", "saved")
+    execute_notebook(chapter.path, output, parameters=params, kernel=kernel, cwd=NOTEBOOKS, cell_timeout=cell_timeout)
+
+
+def execute_notebook(source: Path, output: Path, *, parameters: dict, kernel: str, cwd: Path, cell_timeout: int,
+                     transport: str = "ipc") -> None:
+    """Execute one notebook with papermill into ``output``, its kernel started and spoken to over ``transport``.
+
+    "ipc" (the default, where pyzmq has it): the kernel's sockets are Unix domain sockets in a private temporary
+    folder, which only this user can reach; "tcp" is jupyter_client's default, ports on 127.0.0.1 that any local
+    process can connect to, about which ipykernel warns on every start ("Kernel is running over TCP without
+    encryption")."""
+    import papermill as pm
+
     output.parent.mkdir(parents=True, exist_ok=True)
-    pm.execute_notebook(str(chapter.path), str(output), parameters=params, kernel_name=kernel,
-                        cwd=str(NOTEBOOKS), execution_timeout=cell_timeout, progress_bar=False,
-                        log_output=False, request_save_on_cell_execute=False)
+    with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
+        pm.execute_notebook(str(source), str(output), parameters=parameters, kernel_name=kernel, cwd=str(cwd),
+                            execution_timeout=cell_timeout, progress_bar=False, log_output=False,
+                            request_save_on_cell_execute=False, **kernel_transport(transport, Path(sockets)))
+
+
+def kernel_transport(transport: str, sockets: Path) -> dict:
+    """nbclient's arguments for a kernel manager on ``transport``: for "ipc", its sockets' path prefix in ``sockets``
+    (short, absolute: a Unix socket path has ~100 bytes at most, and the kernel runs in another working folder)."""
+    import zmq
+    from traitlets.config import Config
+
+    if transport == "ipc" and (not zmq.has("ipc") or len(str(sockets)) > 80):
+        transport = "tcp"  # pyzmq without IPC (Windows builds), or a temporary folder too deep for a socket path
+    manager = {"transport": transport}
+    if transport == "ipc":
+        manager["ip"] = str(sockets / "k")
+    return {"config": Config({"KernelManager": manager})}
 
 
 def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overrides: dict) -> list[dict]:
