@@ -55,7 +55,7 @@ def main() -> None:
         while size <= args.max_bytes:
             sizes.append(size)
             size *= args.factor
-        rep, best = Reporter(), 0.0
+        rep, best = Reporter(schema=None), 0.0
         if rank == 0:
             rep.total(len(sizes))
             print(f"all-reduce SUM, float32, {world} ranks, backend {backend}, {args.iters} iters after "

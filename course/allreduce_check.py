@@ -49,7 +49,7 @@ def main() -> int:
         status = "OK" if allreduce_ok and broadcast_ok else "MISMATCH"
         print(f"{socket.gethostname()}:{rank}/{world} local_rank={local_rank} backend={backend} device={device} "
               f"all_reduce={x[0].item():g} expected={expected:g} broadcast={y[0].item():g} {status}", flush=True)
-        Reporter().result(host=socket.gethostname(), rank=rank, local_rank=local_rank, world_size=world,
+        Reporter(schema=None).result(host=socket.gethostname(), rank=rank, local_rank=local_rank, world_size=world,
                           backend=backend, device=str(device), all_reduce=x[0].item(), expected=expected,
                           allreduce_ok=allreduce_ok, broadcast_ok=broadcast_ok, all_ranks_ok=bool(ok.item()),
                           hosts=sorted(set(hosts)))

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers.rank.data import get_datasets
-from helpers.rank.loop import counting_hook
+from helpers.rank.harness import count_ddp_comms
 from helpers.rank.metrics import Reporter
 from helpers.rank.models import SimpleCNN
 from helpers.rank.runtime import end_rank, launched_ranks, log0
@@ -47,14 +47,14 @@ def gradient(ddp, counter, images, labels, micro_batches, use_no_sync):
     """The averaged gradient after N micro batches (N=1: one big batch), plus the all-reduces it took."""
     for p in ddp.parameters():
         p.grad = None
-    counter.update(calls=0, bytes=0)
+    counter.reset()
     start = time.perf_counter()
     for i, (x, y) in enumerate(zip(images.chunk(micro_batches), labels.chunk(micro_batches))):
         last = i == micro_batches - 1
         with ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext():
             (F.cross_entropy(ddp(x), y) / micro_batches).backward()
     grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
-    return grads, dict(counter, seconds=time.perf_counter() - start)
+    return grads, dict(counter.counts["all_reduce"], seconds=time.perf_counter() - start)
 
 
 @record
@@ -62,7 +62,7 @@ def main():
     args = parse_args()
     rank, _, world_size = launched_ranks("torchrun --nproc-per-node 2 course/ddp_accumulation_check.py")
     dist.init_process_group("gloo")  # a correctness check: CPU and gloo on any machine
-    rep = Reporter()
+    rep = Reporter(schema=None)  # a check of its own, not a training run: its fields are its own
     torch.manual_seed(args.seed)
     n, b = args.micro_batches, args.batch_size
     train_ds, _, info = get_datasets(args.dataset, args.data_root, n * b * world_size, 100, args.seed)
@@ -70,9 +70,8 @@ def main():
     images = torch.stack([train_ds[i][0] for i in mine])
     labels = torch.tensor([train_ds[i][1] for i in mine])
 
-    counter = {"calls": 0, "bytes": 0}
     ddp = DDP(SimpleCNN(info.num_classes))
-    ddp.register_comm_hook(counter, counting_hook)  # DDP calls it once per gradient bucket: count, then all-reduce
+    counter = count_ddp_comms(ddp)  # a comm hook DDP calls once per gradient bucket: count, then all-reduce
     gradient(ddp, counter, images, labels, 1, False)  # warm-up: DDP re-orders its buckets after the first backward
     ways = {"big batch": (1, False), "no_sync": (n, True), "every step": (n, False)}
     grads, comm, seconds = {}, {}, {way: [] for way in ways}

@@ -40,7 +40,7 @@ def main() -> int:
               f"LOCAL_WORLD_SIZE={local_world_size} | dist.get_rank()={rank} "
               f"dist.get_world_size()={world} match={rank_matches} | backend={backend} device={device}",
               flush=True)  # pid and hostname go into the result below: they differ on every run
-        Reporter().result(env_rank=env_rank, local_rank=local_rank, world_size=world_size,
+        Reporter(schema=None).result(env_rank=env_rank, local_rank=local_rank, world_size=world_size,
                           local_world_size=local_world_size, master_addr_set=master_addr_set,
                           master_port_set=master_port_set, dist_rank=rank, dist_world_size=world,
                           rank_matches=rank_matches, pid=os.getpid(), hostname=socket.gethostname(),

@@ -13,7 +13,6 @@ diff the two to see what the DeepSpeed engine and its config take over.
 import contextlib
 import gc
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,19 +22,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from helpers.rank import harness
 from helpers.rank.checkpoint import save_atomic
-from helpers.rank.data import get_datasets
 from helpers.rank.devices import rank_device
-from helpers.rank.loop import batches, counting_hook, tuning_parser
-from helpers.rank.metrics import Reporter
-from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.rank.models import count_parameters
 from helpers.rank.runtime import end_rank, launched_ranks, log0
 from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
 
 def parse_args():
-    # the flags both twins share come from helpers/rank/loop.py; only what differs is added here
-    p = tuning_parser("DDP training with clipping, warmup, bf16, accumulation, compile.")
+    # the flags both twins share come from helpers/rank/harness.py; only what differs is added here
+    p = harness.tuning_flags(harness.parser("DDP training with clipping, warmup, bf16, accumulation, compile.",
+                                            steps=20, test_size=100))
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     p.add_argument("--no-count-comms", action="store_true",
                    help="leave out the counting comm hook (DDP's built-in all-reduce): for timing runs that compare "
@@ -57,22 +55,18 @@ def main():
 
 
 def train(args, rank, local_rank, world_size, device):
-    rep = Reporter()
     torch.manual_seed(args.seed)
-    train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, 100, args.seed)
-    log0(info.announcement)
+    train_ds, _, info = harness.datasets(args)
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
-    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch inside
+    data = harness.batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch
     rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
-    model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
+    model = harness.build_model(args, info.num_classes)
     params = count_parameters(model)
     # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buckets, one copy instead of two
     ddp = DDP(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
-    comm = {"calls": 0, "bytes": 0}
-    if not args.no_count_comms:
-        ddp.register_comm_hook(comm, counting_hook)  # counts each bucket's calls and bytes, then all-reduces it
+    comm = None if args.no_count_comms else harness.count_ddp_comms(ddp)  # a comm hook: counts, then all-reduces
     net = torch.compile(ddp) if args.compile else ddp  # compiles on the first forward (the first step is slow)
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -82,12 +76,13 @@ def train(args, rank, local_rank, world_size, device):
     warmup = lambda s: min(1.0, s / args.warmup_steps) if args.warmup_steps else 1.0
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
-    rep.total(args.steps)
+    global_batch = args.batch_size * args.accumulation * world_size
     log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
-         f"global_batch={args.batch_size * args.accumulation * world_size} steps={args.steps}")
-    states, timed_samples, timed_s, first_step_s = None, 0, 0.0, None
-    for step in range(args.steps):
-        start = time.perf_counter()
+         f"global_batch={global_batch} steps={args.steps}")
+    meter = harness.Meter(args.steps, device, world_size, samples_per_step=global_batch, skip=args.skip_steps,
+                          memory=True, comm=comm, log_every=10)
+    states = None
+    for _ in meter.steps():
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in range(args.accumulation):
@@ -105,20 +100,9 @@ def train(args, rank, local_rank, world_size, device):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip or float("inf"))
         optimizer.step()
         scheduler.step()
-        if states is None:  # gradients and optimizer state both exist now
-            states = model_state_bytes(model, optimizer)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_s = time.perf_counter() - start
-        first_step_s = step_s if first_step_s is None else first_step_s
-        if step == 0:
-            comm.update(calls=0, bytes=0)  # count the steps after the first, like the timing
-        else:
-            timed_samples, timed_s = timed_samples + args.batch_size * args.accumulation * world_size, timed_s + step_s
-        rep.step(step, loss=loss_sum, grad_norm=float(grad_norm), lr=lr, step_s=step_s,
-                 samples=args.batch_size * args.accumulation, **memory_now(device))
-        if step % 10 == 0 or step == args.steps - 1:
-            log0(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} grad_norm {grad_norm:.3f} lr {lr:.2e}")
+        states = states or model_state_bytes(model, optimizer)  # gradients and optimizer state both exist now
+        meter.step(loss=loss_sum, grad_norm=float(grad_norm), lr=lr, samples=args.batch_size * args.accumulation)
+    meter.finish()
 
     checkpoint_bytes = None
     if args.save_dir:
@@ -127,14 +111,10 @@ def train(args, rank, local_rank, world_size, device):
             save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
             checkpoint_bytes = dir_bytes(args.save_dir)
         dist.barrier()
-    per_step = {k: v / max(1, args.steps - 1) for k, v in comm.items()}
-    counted = None if args.no_count_comms else {"all_reduce": per_step}
-    rep.result(model_state_bytes=states, comm_per_step=counted)  # every rank: its own
-    if rank == 0:
-        rep.result(framework="ddp", dtype="bf16-autocast" if args.bf16 else "fp32", params=params,
-                   world_size=world_size, global_batch=args.batch_size * args.accumulation * world_size,
-                   rss_start_mib=rss_start, first_step_s=first_step_s, checkpoint_bytes=checkpoint_bytes,
-                   samples_per_s=timed_samples / timed_s if timed_s else None, compiled=args.compile)
+    meter.rep.result(model_state_bytes=states, comm_per_step=meter.comm_per_step())  # every rank: its own
+    meter.report(framework="ddp", dtype="bf16-autocast" if args.bf16 else "fp32", params=params,
+                 global_batch=global_batch, rss_start_mib=rss_start, checkpoint_bytes=checkpoint_bytes,
+                 compiled=args.compile)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,8 @@ the optimizer and LR schedule from the ds_config (--deepspeed_config, else one b
 engine.backward / engine.step average or partition gradients, clip, step and zero them. --stage and --dtype
 override the config, as in DeepSpeedExamples/training/cifar; --model memory trains a wide MLP of --params.
 """
-import argparse
-import itertools
-import math
 import os
 import sys
-import time
 
 import deepspeed
 import torch
@@ -24,64 +20,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers.calc import dsconfig
-from helpers.rank.data import get_datasets
-from helpers.rank.metrics import Reporter
-from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.rank import harness
+from helpers.rank.deepspeed_facts import build_config, check_config
+from helpers.rank.models import count_parameters
 from helpers.rank.runtime import end_rank, forget_deepspeed_shm_buffer, launched_ranks, log0
-from helpers.rank.state import model_state_bytes, peak_memory
+from helpers.rank.state import model_state_bytes
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description="DeepSpeed training of SimpleCNN on CIFAR-10 (launch with deepspeed).")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32, help="micro batch per rank (without --deepspeed_config)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (without --deepspeed_config)")
-    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
-    p.add_argument("--test-size", type=int, default=None, help="use a subset of the test images")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
-    p.add_argument("--data-root", default="data")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p = harness.model_flags(harness.parser("DeepSpeed training of SimpleCNN on CIFAR-10 (launch with deepspeed).",
+                                                steps_are="optimizer steps"))
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (overrides the config)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="precision (overrides the config)")
-    p.add_argument("--model", choices=["cnn", "memory"], default="cnn", help="memory: a wide MLP of --params")
-    p.add_argument("--params", type=int, default=20_000_000, help="parameters of --model memory")
-    p.add_argument("--depth", type=int, default=4, help="layers of --model memory")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (instead of epochs)")
     p.add_argument("--save-dir", default=None, help="save a DeepSpeed checkpoint here at the end")
     p.add_argument("--load-dir", default=None, help="resume from the latest DeepSpeed checkpoint in this folder")
     p.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher (LOCAL_RANK is used)")
     return deepspeed.add_config_arguments(p).parse_args()  # adds --deepspeed_config
-
-
-@torch.no_grad()
-def evaluate(model, test_ds, rank, world_size, device, batch_size, dtype):
-    """Test accuracy over the whole test set, with the work split between ranks.
-
-    Each rank scores every WORLD_SIZE-th image starting at its rank, then all_reduce adds up the counts.
-    (A DistributedSampler would pad the shards to equal length by repeating images, counting some twice.)
-    Under ZeRO-3 every forward all-gathers the partitioned parameters, a collective, so all ranks must run
-    the same number of forwards: a rank with one batch fewer runs one extra, uncounted.
-    """
-    model.eval()
-    shard = Subset(test_ds, range(rank, len(test_ds), world_size))
-    loader = DataLoader(shard, batch_size=batch_size)
-    counts = torch.zeros(2, dtype=torch.long, device=device)  # [correct, seen]
-    for images, labels in loader:
-        images, labels = images.to(device, dtype), labels.to(device)
-        counts[0] += (model(images).argmax(dim=1) == labels).sum()
-        counts[1] += labels.numel()
-    for _ in range(math.ceil(math.ceil(len(test_ds) / world_size) / batch_size) - len(loader)):
-        model(images[:1])
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    model.train()
-    return counts[0].item() / counts[1].item()
 
 
 @record  # on a crash under torchrun, the error file names the rank and holds its traceback
@@ -100,20 +60,15 @@ def main():
 
 
 def train(args, rank, world_size, device):
-    rep = Reporter()  # every rank writes its own records to $HELPERS_RUN_DIR/metrics.jsonl (no-op if unset)
     torch.manual_seed(args.seed)  # same initial weights on every rank (DeepSpeed also broadcasts rank 0's)
+    train_ds, test_ds, info = harness.datasets(args)  # rank 0 downloads (or generates) while the others wait
 
-    # Rank 0 finds or downloads the data while the others wait (see helpers/rank/data.py): many ranks
-    # downloading into one folder at once would corrupt it, and all ranks must agree on which data it is.
-    train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
-    log0(info.announcement)  # log0: one voice in the terminal, not WORLD_SIZE
-
-    model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
+    model = harness.build_model(args, info.num_classes)  # SimpleCNN, or --model memory's wide MLP
     params = count_parameters(model)  # before ZeRO-3 partitions them away
-    config = dsconfig.load(args.deepspeed_config) if args.deepspeed_config else dsconfig.build(
+    config = dsconfig.load(args.deepspeed_config) if args.deepspeed_config else build_config(
         micro_batch=args.batch_size, lr=args.lr, world_size=world_size)
     config = dsconfig.override(config, stage=args.stage, dtype=args.dtype)  # the flags win over the file
-    dsconfig.check(config, world_size)  # a readable "what to change" instead of an assertion inside every rank
+    check_config(config, world_size)  # a readable "what to change" instead of an assertion inside every rank
     args.deepspeed_config = None  # DeepSpeed gets the dict with our overrides, not the file again
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), config=config)
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else torch.float32
@@ -128,16 +83,17 @@ def train(args, rank, world_size, device):
     loader = DataLoader(train_ds, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                         num_workers=args.num_workers)
     # A step here is one micro batch; DeepSpeed steps the optimizer every gradient_accumulation_steps of them.
-    total_steps = args.epochs * len(loader) if args.steps is None else args.steps * engine.gradient_accumulation_steps()
-    rep.total(total_steps)
+    accumulation = engine.gradient_accumulation_steps()
+    total_steps = args.steps * accumulation if args.steps is not None else args.epochs * len(loader)
     log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} dtype={NAMES[dtype]} "
          f"zero_stage={engine.zero_optimization_stage()} params={params} global_batch={engine.train_batch_size()} "
          f"steps={total_steps}")
-
-    first, step, samples, model_states, start = engine.global_steps, 0, 0, None, time.perf_counter()
-    for epoch in range(math.ceil(total_steps / len(loader))):
+    meter = harness.Meter(total_steps, device, world_size, skip=args.skip_steps,
+                          samples_per_step=engine.train_micro_batch_size_per_gpu() * world_size)
+    first, model_states = engine.global_steps, None
+    for epoch in range(-(-total_steps // len(loader))):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, identical on all ranks
-        for images, labels in itertools.islice(loader, total_steps - step):
+        for images, labels in meter.batches(loader):
             images, labels = images.to(device, dtype), labels.to(device)
             loss = F.cross_entropy(engine(images), labels)
             engine.backward(loss)  # averages gradients across ranks (ZeRO 2/3: each rank keeps its partition)
@@ -145,30 +101,23 @@ def train(args, rank, world_size, device):
                 model_states = model_state_bytes(engine.module, engine.optimizer)  # this rank's share
             lr = engine.get_lr()[0]  # the rate this step uses; the LR schedule moves on inside engine.step()
             engine.step()  # every gradient_accumulation_steps: clip, optimizer and LR step, zero the gradients
-            step += 1
-            samples += labels.size(0)
             norm = engine.get_global_grad_norm()  # None until the first optimizer step
-            rep.step(step, loss=loss.item(), lr=lr, optimizer_step=engine.global_steps, epoch=epoch,
-                     samples=labels.size(0), **({} if norm is None else {"grad_norm": float(norm)}))
-            if step % 20 == 0 or step == total_steps:
-                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}")
-    train_seconds = time.perf_counter() - start
+            meter.step(loss=loss.item(), epoch=epoch, samples=labels.size(0), lr=lr,
+                       optimizer_step=engine.global_steps, **({} if norm is None else {"grad_norm": float(norm)}))
+    run = meter.finish()
 
-    accuracy = evaluate(engine, test_ds, rank, world_size, device, batch_size=256, dtype=dtype)
+    accuracy = harness.evaluate(engine, test_ds, device, dtype=dtype)  # ZeRO-3: every forward is a collective
     checkpoint = None
     if args.save_dir:  # ALL ranks call it: under ZeRO each rank holds a shard of the state no other rank has
         engine.save_checkpoint(args.save_dir)
         checkpoint = os.path.join(args.save_dir, f"global_step{engine.global_steps}")
 
-    memory = peak_memory(device)  # this rank's high-water marks, RSS (and CUDA); rank 0's are reported
-    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training")
-    rep.result(model_state_bytes=model_states)  # every rank: what it held, for measured-vs-formula per rank
-    if rank == 0:
-        rep.result(test_accuracy=accuracy, train_samples=samples * world_size, world_size=world_size,
-                   global_batch=engine.train_batch_size(), dataset=info.name, checkpoint=checkpoint,
-                   zero_stage=engine.zero_optimization_stage(), dtype=NAMES[dtype],
-                   params=params, optimizer_steps=engine.global_steps, train_seconds=train_seconds,
-                   samples_per_s=samples * world_size / train_seconds, **memory)
+    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {run['train_seconds']:.1f} s training | "
+         f"{meter.throughput_line()}")
+    meter.rep.result(model_state_bytes=model_states)  # every rank: what it held, for measured-vs-formula per rank
+    meter.report(framework="deepspeed", test_accuracy=accuracy, global_batch=engine.train_batch_size(),
+                 dataset=info.name, checkpoint=checkpoint, zero_stage=engine.zero_optimization_stage(),
+                 dtype=NAMES[dtype], params=params, optimizer_steps=engine.global_steps)
 
 
 if __name__ == "__main__":

@@ -4,35 +4,31 @@
     deepspeed --num_gpus 2 course/ds_tuning.py --model memory --params 20000000 --stage 3 --offload both --steps 5
 
 (On a machine without GPUs put DS_ACCELERATOR=cpu in front.) The same flags as the DDP script, turned into a
-ds_config by helpers.calc.dsconfig.build: --clip is gradient_clipping, --warmup-steps a WarmupLR scheduler, --bf16 the
-bf16 section (weights and gradients in bf16, fp32 master copy in the optimizer), --accumulation
-gradient_accumulation_steps; --stage and --offload pick ZeRO's partitioning. Every rank reports the same per-step
+ds_config by helpers.calc.dsconfig.build (helpers.rank.deepspeed_facts.build_config): --clip is gradient_clipping,
+--warmup-steps a WarmupLR scheduler, --bf16 the bf16 section (weights and gradients in bf16, fp32 master copy in the
+optimizer), --accumulation gradient_accumulation_steps; --stage and --offload pick ZeRO's partitioning. Every rank reports the same per-step
 fields as the DDP script, plus the model-state bytes it holds, read from the engine.
 """
-import time
-
 import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
-from deepspeed.comm import comm as ds_comm
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers.calc import dsconfig
-from helpers.rank.data import get_datasets
-from helpers.rank.loop import batches, tuning_parser
-from helpers.rank.metrics import Reporter
-from helpers.rank.models import SimpleCNN, count_parameters, make_memory_model
+from helpers.rank import harness
+from helpers.rank.deepspeed_facts import build_config
+from helpers.rank.models import count_parameters
 from helpers.rank.runtime import end_rank, forget_deepspeed_shm_buffer, launched_ranks, log0
 from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
 
 def parse_args():
-    # the flags both twins share come from helpers/rank/loop.py; only what differs is added here
-    p = tuning_parser("DeepSpeed twin of course/ddp_tuning.py (launch with deepspeed).")
+    # the flags both twins share come from helpers/rank/harness.py; only what differs is added here
+    p = harness.tuning_flags(harness.parser("DeepSpeed twin of course/ddp_tuning.py (launch with deepspeed).",
+                                            steps=20, test_size=100))
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     p.add_argument("--offload", choices=["optimizer", "param", "both"], default=None, help="ZeRO offload to CPU")
     p.add_argument("--bucket-size", type=int, default=None, help="ZeRO reduce/allgather bucket, in elements")
@@ -48,7 +44,7 @@ def ds_config(args, world_size):
     if args.bucket_size:  # the defaults (5e8 elements) are sized for big GPUs
         zero = {"reduce_bucket_size": args.bucket_size, "allgather_bucket_size": args.bucket_size,
                 "stage3_prefetch_bucket_size": args.bucket_size}
-    config = dsconfig.build(stage=args.stage, dtype="bf16" if args.bf16 else "fp32", micro_batch=args.batch_size,
+    config = build_config(stage=args.stage, dtype="bf16" if args.bf16 else "fp32", micro_batch=args.batch_size,
                             accumulation=args.accumulation, world_size=world_size, lr=args.lr,
                             optimizer="SGD" if args.optimizer == "sgd" else "AdamW", warmup_steps=args.warmup_steps,
                             clip=args.clip or 0.0, offload=args.offload, zero=zero)
@@ -77,66 +73,50 @@ def main():
 
 
 def train(args, rank, world_size, device):
-    rep = Reporter()
     torch.manual_seed(args.seed)
-    train_ds, _, info = get_datasets(args.dataset, args.data_root, args.train_size, 100, args.seed)
-    log0(info.announcement)
+    train_ds, _, info = harness.datasets(args)
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
-    data = batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch inside
+    data = harness.batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch
     rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
-    model = SimpleCNN(info.num_classes) if args.model == "cnn" else make_memory_model(args.params, args.depth)
+    model = harness.build_model(args, info.num_classes)
     params = count_parameters(model)  # before ZeRO-3 partitions them away
     # one call replaces DDP(...), the optimizer, the LR scheduler, clipping and mixed precision
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args, world_size))
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
 
-    rep.total(args.steps)
     log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
          f"zero_stage={args.stage} global_batch={engine.train_batch_size()} steps={args.steps}")
-    states, timed_samples, timed_s, first_step_s = None, 0, 0.0, None
-    for step in range(args.steps):
-        start = time.perf_counter()
+    comm = harness.count_deepspeed_comms() if args.count_comms else None
+    meter = harness.Meter(args.steps, device, world_size, samples_per_step=engine.train_batch_size(),
+                          skip=args.skip_steps, memory=True, comm=comm, log_every=10)
+    states = None
+    for step in meter.steps():
         lr = engine.get_lr()[0]  # the rate this step uses; WarmupLR moves on inside engine.step()
         loss_sum = 0.0
         for micro in range(args.accumulation):
             images, labels = next(data)
             loss = F.cross_entropy(engine(images.to(device, dtype)), labels.to(device))
             engine.backward(loss)  # divides by gradient_accumulation_steps; reduces only at the boundary
-            if states is None and step == 1:  # gradients live and optimizer state exists
+            if states is None and step == 2:  # gradients live and optimizer state exists
                 states = model_state_bytes(engine.module, engine.optimizer)
             engine.step()  # at the boundary: clip, optimizer and LR step, zero the gradients
             loss_sum += loss.item() / args.accumulation
         norm = engine.get_global_grad_norm()  # before clipping; None where nothing needed it (stage 0, no clip)
-        grad_norm = {} if norm is None else {"grad_norm": float(norm)}
-        get_accelerator().synchronize()  # GPU work is asynchronous: wait for it before reading the clock
-        step_s = time.perf_counter() - start
-        first_step_s = step_s if first_step_s is None else first_step_s
-        if step == 0:
-            ds_comm.comms_logger.comms_dict.clear()  # count the steps after the first, like the timing
-        else:
-            timed_samples, timed_s = timed_samples + engine.train_batch_size(), timed_s + step_s
-        rep.step(step, loss=loss_sum, **grad_norm, lr=lr, step_s=step_s,
-                 samples=args.batch_size * args.accumulation, **memory_now(device))
-        if step % 10 == 0 or step == args.steps - 1:
-            log0(f"step {step + 1}/{args.steps} loss {loss_sum:.4f} lr {lr:.2e}")
+        meter.step(loss=loss_sum, lr=lr, samples=args.batch_size * args.accumulation,
+                   **({} if norm is None else {"grad_norm": float(norm)}))
+    meter.finish()
 
     checkpoint_bytes = None
     if args.save_dir:  # ALL ranks call it: under ZeRO each rank holds a shard no other rank has
         engine.save_checkpoint(args.save_dir)
         dist.barrier()
         checkpoint_bytes = dir_bytes(args.save_dir) if rank == 0 else None
-    # comms_dict: {collective: {message bytes: [calls, ...]}}; message = the buffer handed to the collective
-    per_step = {op: {"calls": sum(v[0] for v in sizes.values()) / max(1, args.steps - 1),
-                     "bytes": sum(size * v[0] for size, v in sizes.items()) / max(1, args.steps - 1)}
-                for op, sizes in ds_comm.comms_logger.comms_dict.items()}
-    rep.result(model_state_bytes=states, comm_per_step=per_step or None)
-    if rank == 0:
-        rep.result(framework="deepspeed", zero_stage=args.stage, offload=args.offload,
-                   dtype="bf16" if args.bf16 else "fp32", params=params, world_size=world_size,
-                   global_batch=engine.train_batch_size(), rss_start_mib=rss_start, first_step_s=first_step_s,
-                   checkpoint_bytes=checkpoint_bytes, samples_per_s=timed_samples / timed_s if timed_s else None)
+    meter.rep.result(model_state_bytes=states, comm_per_step=meter.comm_per_step())  # every rank: its own
+    meter.report(framework="deepspeed", zero_stage=args.stage, offload=args.offload,
+                 dtype="bf16" if args.bf16 else "fp32", params=params, global_batch=engine.train_batch_size(),
+                 rss_start_mib=rss_start, checkpoint_bytes=checkpoint_bytes)
 
 
 if __name__ == "__main__":

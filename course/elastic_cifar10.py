@@ -12,7 +12,6 @@ must be on a filesystem every node sees. FAULT_RANK=r FAULT_STEP=s: rank r exits
 At the end rank 0 measures the test accuracy on --test-size images (the same for a resumed run as for one that never
 crashed, since the weights are bitwise the same).
 """
-import argparse
 import itertools
 import os
 import random
@@ -26,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from helpers.rank import harness
 from helpers.rank.checkpoint import latest_snapshot, load_snapshot, save_atomic, save_snapshot, state_dict_sha256
-from helpers.rank.data import get_datasets
 from helpers.rank.devices import rank_device
 from helpers.rank.metrics import Reporter
 from helpers.rank.models import SimpleCNN
@@ -35,15 +34,7 @@ from helpers.rank.runtime import end_rank, launched_ranks, log0
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description="Fault-tolerant DDP training of SimpleCNN (torchrun --max-restarts K).")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank; the global batch is this x WORLD_SIZE")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
-    p.add_argument("--test-size", type=int, default=1000, help="test images for the accuracy at the end (rank 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
-    p.add_argument("--data-root", default="data")
+    p = harness.parser("Fault-tolerant DDP training of SimpleCNN (torchrun --max-restarts K).", test_size=1000)
     p.add_argument("--out-dir", default=os.environ.get("HELPERS_RUN_DIR") or "runs/elastic_cifar10")
     p.add_argument("--snapshot-dir", default=None, help="default: <out-dir>/snapshots; shared by all nodes")
     p.add_argument("--snapshot-every", type=int, default=20, help="steps between snapshots")
@@ -105,8 +96,7 @@ def train(args, rank, local_rank, world_size, device, restart_count):
     random.seed(args.seed)  # not used here, but RNG state a real script must restore (numpy's too, if used)
     torch.use_deterministic_algorithms(True, warn_only=True)  # same inputs -> same bits, so resume can be exact
 
-    train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
-    log0(info.announcement)
+    train_ds, test_ds, info = harness.datasets(args)
     sampler = ResumableSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
     # The loader gets its own generator: by default every new epoch iterator draws a seed from the global RNG,
     # and after a mid-epoch resume that draw would come at a different moment and shift the flips below.
@@ -114,7 +104,7 @@ def train(args, rank, local_rank, world_size, device, restart_count):
 
     model = DDP(SimpleCNN(info.num_classes).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    total_steps = args.epochs * len(loader)
+    total_steps = args.steps if args.steps is not None else args.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     config = {k: getattr(args, k) for k in ("seed", "batch_size", "lr", "train_size", "dataset", "epochs")}
 
@@ -137,15 +127,16 @@ def train(args, rank, local_rank, world_size, device, restart_count):
         shown = found[0] if rel.startswith("..") else rel  # relative to the working directory when inside it
         log0(f"attempt {restart_count}: resumed from {shown} (step {step}, epoch {start_epoch})")
         rep.event("resumed", step=step, snapshot=found[0], attempt=restart_count)
-    rep.total(total_steps)
     log0(f"world_size={world_size} backend={dist.get_backend()} steps={total_steps} attempt={restart_count}")
+    meter = harness.Meter(total_steps, device, world_size, samples_per_step=args.batch_size * world_size,
+                          skip=args.skip_steps, start=step, reporter=rep)
 
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(start_epoch, -(-total_steps // len(loader))):
         sampler.set_epoch(epoch)  # the same shuffle of this epoch as before the crash
         # `seen` counts samples of this epoch the whole job trained on; every rank skips its share of them.
         # (Exact even if WORLD_SIZE changed, as long as it divides `seen`: the shuffle is one global order.)
         sampler.skip = seen // world_size
-        for images, labels in loader:
+        for images, labels in meter.batches(loader):
             flip = torch.rand(len(images)) < 0.5  # random horizontal flips: why the RNG state is in the snapshot
             images = torch.where(flip[:, None, None, None], images.flip(3), images)
             images, labels = images.to(device), labels.to(device)
@@ -154,9 +145,8 @@ def train(args, rank, local_rank, world_size, device, restart_count):
             loss.backward()
             optimizer.step()
             scheduler.step()
-            step += 1
+            step = meter.step(loss=loss.item(), epoch=epoch, samples=labels.size(0), attempt=restart_count)
             seen += labels.size(0) * world_size
-            rep.step(step, loss=loss.item(), epoch=epoch, attempt=restart_count)
             maybe_inject_fault(rank, step, args.snapshot_dir)
             if step % args.snapshot_every == 0:
                 if rank == 0:  # the replicas are identical, so one copy is enough
@@ -169,35 +159,21 @@ def train(args, rank, local_rank, world_size, device, restart_count):
                     save_snapshot(state, args.snapshot_dir, step, keep=args.keep)
                     rep.event("snapshot", step=step)
                 dist.barrier()  # past this line, every rank knows snapshot `step` is on disk
-            if step % 20 == 0 or step == total_steps:
-                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss.item():.4f}")
         seen = 0
+    meter.finish()
 
     weights = model.module.state_dict()
     digest = state_dict_sha256(weights)  # every rank reports it: the replicas must agree bit for bit
     final = os.path.join(args.out_dir, "final_model.pt")
-    accuracy = None
     if rank == 0:
         save_atomic(weights, final)
-        accuracy = evaluate(model.module, test_ds, device)  # the replicas are identical: one rank measures
+    accuracy = harness.evaluate(model.module, test_ds, device)
     dist.barrier()
     log0(f"done: {step} steps, resumed from {resumed_from}, restarts {restart_count}, sha256 {digest[:16]}")
-    if rank == 0:
-        log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images")
+    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images")
     rep.result(final_params_sha256=digest, steps=step, resumed_from=resumed_from, restart_count=restart_count,
-               world_size=world_size, checkpoint=final, dataset=info.name,
-               test_accuracy=accuracy)  # measured on rank 0 only; None on the other ranks
+               world_size=world_size, checkpoint=final, dataset=info.name, test_accuracy=accuracy)
 
-
-@torch.no_grad()
-def evaluate(module, test_ds, device, batch_size=256):
-    """Accuracy of ``module`` on the whole test set, on this rank alone (no collectives)."""
-    module.eval()
-    correct = 0
-    for images, labels in DataLoader(test_ds, batch_size=batch_size):
-        correct += (module(images.to(device)).argmax(1).cpu() == labels).sum().item()
-    module.train()
-    return correct / max(1, len(test_ds))
 
 
 if __name__ == "__main__":

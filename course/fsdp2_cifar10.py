@@ -11,12 +11,8 @@ shard, like ZeRO-3). Forward and backward all-gather a block's parameters just b
 reduce-scatters its gradients. Checkpoints are torch.distributed.checkpoint (DCP): one shard file per rank, loadable
 at any world size; --export converts one into a plain state_dict file (the counterpart of DeepSpeed's zero_to_fp32).
 """
-import argparse
 import itertools
-import math
-import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,33 +22,23 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.utils.data import DataLoader, Subset
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers.calc.mesh import shard_size_problem
-from helpers.rank.data import get_datasets
+from helpers.rank import harness
 from helpers.rank.devices import rank_device
-from helpers.rank.metrics import Reporter
 from helpers.rank.models import SimpleCNN, count_parameters
 from helpers.rank.runtime import end_rank, launched_ranks, log0
-from helpers.rank.state import dir_bytes, memory_now, model_state_bytes, peak_memory
+from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
+
+# checked by helpers.launch before any rank starts (and by main() below when started from a terminal)
+LAUNCH_RULES = {"--shard-size": "divides_world_size"}
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description="FSDP2 training of SimpleCNN on CIFAR-10 (launch with torchrun).")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps in all (instead of epochs)")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank; the global batch is this x WORLD_SIZE")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--train-size", type=int, default=None, help="use a subset of the training images")
-    p.add_argument("--test-size", type=int, default=None, help="use a subset of the test images")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=["auto", "cifar10", "synthetic"], default="auto")
-    p.add_argument("--data-root", default="data")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
-    p.add_argument("--skip-steps", type=int, default=5, help="steps left out of samples_per_s (warm-up)")
+    p = harness.parser("FSDP2 training of SimpleCNN on CIFAR-10 (launch with torchrun).")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep gathered parameters from forward to backward (ZeRO-2-like: more memory, fewer gathers)")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction")
@@ -65,52 +51,6 @@ def parse_args():
     return p.parse_args()
 
 
-class CountingAllGather(DefaultAllGather):
-    """FSDP2's own all-gather, counting the calls and the bytes of this rank's shard (what it hands over)."""
-
-    def __init__(self, counter):
-        self.counter = counter
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.counter["calls"] += 1
-        self.counter["bytes"] += input_tensor.numel() * input_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, async_op)
-
-
-class CountingReduceScatter(DefaultReduceScatter):
-    """FSDP2's own reduce-scatter, counting the calls and the bytes of the whole input (every rank's gradients)."""
-
-    def __init__(self, counter):
-        self.counter = counter
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.counter["calls"] += 1
-        self.counter["bytes"] += input_tensor.numel() * input_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-
-@torch.no_grad()
-def evaluate(model, test_ds, rank, world_size, device, batch_size):
-    """Test accuracy over the whole test set, with the work split between ranks.
-
-    Every forward all-gathers the sharded parameters, a collective, so all ranks must run the same number of
-    forwards: a rank with one batch fewer runs one extra, uncounted (as under DeepSpeed ZeRO-3).
-    """
-    model.eval()
-    shard = Subset(test_ds, range(rank, len(test_ds), world_size))
-    loader = DataLoader(shard, batch_size=batch_size)
-    counts = torch.zeros(2, dtype=torch.long, device=device)  # [correct, seen]
-    for images, labels in loader:
-        images, labels = images.to(device), labels.to(device)
-        counts[0] += (model(images).argmax(dim=1) == labels).sum()
-        counts[1] += labels.numel()
-    for _ in range(math.ceil(math.ceil(len(test_ds) / world_size) / batch_size) - len(loader)):
-        model(images[:1])
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    model.train()
-    return counts[0].item() / counts[1].item()
-
-
 @record  # on a crash, torchrun's error file names the rank and holds its traceback
 def main():
     args = parse_args()
@@ -119,7 +59,7 @@ def main():
     if args.cpu_offload and device.type != "cuda":  # refused before anything starts, with what to change
         sys.exit("--cpu-offload keeps the shards in CPU memory and copies them to the GPU for every all-gather; "
                  "on a CPU rank they are in CPU memory already (and pinning needs CUDA): drop --cpu-offload")
-    problem = shard_size_problem(world_size, args.shard_size)  # helpers.launch checks the same before launching
+    problem = shard_size_problem(world_size, args.shard_size)
     if problem:
         sys.exit(problem)
     args.shard_size = args.shard_size or world_size
@@ -131,10 +71,8 @@ def main():
 
 
 def train(args, rank, world_size, device):
-    rep = Reporter()
     torch.manual_seed(args.seed)  # same initial weights on every rank; each then keeps only its shard
-    train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
-    log0(info.announcement)
+    train_ds, test_ds, info = harness.datasets(args)
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
     rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
@@ -153,87 +91,59 @@ def train(args, rank, world_size, device):
     for block in (model.conv1, model.conv2, model.fc1, model.fc2):  # the sharding units: one all-gather each
         fully_shard(block, **shard)
     fully_shard(model, **shard)  # the root: whatever the blocks left over, and the start/end of each step
-    comm = {"all_gather_into_tensor": {"calls": 0, "bytes": 0}, "reduce_scatter_tensor": {"calls": 0, "bytes": 0}}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(CountingAllGather(comm["all_gather_into_tensor"]))
-            m.set_custom_reduce_scatter(CountingReduceScatter(comm["reduce_scatter_tensor"]))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)  # built AFTER fully_shard: it sees the shards
 
-    start_step = 0
+    start = 0
     if args.load_dir:  # every rank reads the pieces of every tensor its own shards need: any world size works
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
         dcp.load(state, checkpoint_id=args.load_dir)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start_step = int(state["step"])
-        log0(f"resumed from {args.load_dir} at step {start_step}, now on {world_size} ranks")
+        start = int(state["step"])
+        log0(f"resumed from {args.load_dir} at step {start}, now on {world_size} ranks")
 
-    total_steps = args.epochs * len(loader) if args.steps is None else args.steps
-    rep.total(total_steps - start_step)
+    total_steps = args.steps if args.steps is not None else args.epochs * len(loader)
     log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} mesh={tuple(mesh.mesh.shape)} "
          f"params={params} global_batch={args.batch_size * world_size} steps={total_steps} "
          f"reshard_after_forward={shard['reshard_after_forward']} bf16={args.bf16}")
-    skip = max(0, min(args.skip_steps, total_steps - start_step - 1))
-    step, samples, timed_samples, timed_s, first_step_s, states = start_step, 0, 0, 0.0, None, None
-    start = time.perf_counter()
-    for epoch in itertools.count(start_step // len(loader)):
-        if step >= total_steps:
+    meter = harness.Meter(total_steps, device, world_size, samples_per_step=args.batch_size * world_size,
+                          skip=args.skip_steps, start=start, memory=True, comm=harness.count_fsdp_comms(model))
+    states = None
+    for epoch in itertools.count(start // len(loader)):
+        if meter.done >= total_steps:
             break
         sampler.set_epoch(epoch)  # the same global batches at any world size with the same global batch
-        batches = itertools.islice(loader, step % len(loader) if epoch == start_step // len(loader) else 0, None)
-        step_start = time.perf_counter()
-        for images, labels in itertools.islice(batches, total_steps - step):
+        resume_at = meter.done % len(loader) if epoch == start // len(loader) else 0
+        for images, labels in meter.batches(itertools.islice(loader, resume_at, None)):
             images, labels = images.to(device), labels.to(device)
             loss = F.cross_entropy(model(images), labels)  # each block all-gathers its weights, then frees them
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # gathers again (if resharded), then reduce-scatters: each rank keeps its gradient shard
             optimizer.step()  # Adam on the local shards only: no communication
-            if states is None:  # sharded gradients and Adam state both exist now
-                states = model_state_bytes(model, optimizer)
-            loss_value = loss.item()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_s = time.perf_counter() - step_start
-            step += 1
-            samples += labels.size(0)
-            first_step_s = step_s if first_step_s is None else first_step_s
-            if step == start_step + 1:  # count the steps after the first, like the timing
-                for counter in comm.values():
-                    counter.update(calls=0, bytes=0)
-            if step > start_step + skip:
-                timed_samples, timed_s = timed_samples + labels.size(0), timed_s + step_s
-            rep.step(step, loss=loss_value, epoch=epoch, samples=labels.size(0), step_s=step_s, **memory_now(device))
-            if step % 20 == 0 or step == total_steps:
-                log0(f"epoch {epoch} step {step}/{total_steps} loss {loss_value:.4f}")
-            step_start = time.perf_counter()
-    train_seconds = time.perf_counter() - start
-    samples_per_s = timed_samples * world_size / timed_s if timed_s else None
-    per_step = {op: {k: v / max(1, step - start_step - 1) for k, v in c.items()} for op, c in comm.items()}
+            states = states or model_state_bytes(model, optimizer)  # sharded gradients and Adam state exist now
+            meter.step(loss=loss.item(), epoch=epoch, samples=labels.size(0))
+    run = meter.finish()
 
-    accuracy = evaluate(model, test_ds, rank, world_size, device, batch_size=256)
+    accuracy = harness.evaluate(model, test_ds, device)  # every forward all-gathers: all ranks take part
     checkpoint = checkpoint_bytes = None
     if args.save_dir:  # ALL ranks save: each writes its own shards, rank 0 also the metadata (.metadata)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=args.save_dir)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(meter.done)},
+                 checkpoint_id=args.save_dir)
         checkpoint, checkpoint_bytes = args.save_dir, dir_bytes(args.save_dir)
         if args.export and rank == 0:  # offline conversion: no process group needed, reads every shard
             dcp_to_torch_save(args.save_dir, args.export)  # {"model": plain state_dict, "optim": ..., "step": ...}
         dist.barrier()  # nobody moves on (or exits) before the checkpoint is on disk
 
-    memory = peak_memory(device)
-    rate = f"{samples_per_s:.0f} samples/s over steps {start_step + skip + 1}-{step}" if samples_per_s else "no steps"
-    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {train_seconds:.1f} s training | {rate}")
+    log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {run['train_seconds']:.1f} s training | "
+         f"{meter.throughput_line()}")
     hsdp = args.shard_size < world_size  # HSDP's all-reduce across the replicas goes uncounted: report none
-    rep.result(model_state_bytes=states, comm_per_step=None if hsdp else per_step)  # every rank: its own
-    if rank == 0:
-        rep.result(framework="fsdp2", test_accuracy=accuracy, train_samples=samples * world_size,
-                   world_size=world_size, global_batch=args.batch_size * world_size, dataset=info.name,
-                   shard_size=args.shard_size,
-                   params=params, dtype="bf16" if args.bf16 else "fp32", steps=step, resumed_from=start_step,
-                   reshard_after_forward=shard["reshard_after_forward"], checkpoint=checkpoint,
-                   checkpoint_bytes=checkpoint_bytes, exported=args.export, rss_start_mib=rss_start,
-                   train_seconds=train_seconds, first_step_s=first_step_s, samples_per_s=samples_per_s, **memory)
+    meter.rep.result(model_state_bytes=states, comm_per_step=None if hsdp else meter.comm_per_step())  # every rank
+    meter.report(framework="fsdp2", test_accuracy=accuracy, global_batch=args.batch_size * world_size,
+                 dataset=info.name, shard_size=args.shard_size, params=params, dtype="bf16" if args.bf16 else "fp32",
+                 steps=meter.done, resumed_from=start, reshard_after_forward=shard["reshard_after_forward"],
+                 checkpoint=checkpoint, checkpoint_bytes=checkpoint_bytes, exported=args.export,
+                 rss_start_mib=rss_start)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def main() -> int:
                   f"set_epoch={not args.no_set_epoch} | disjoint={disjoint} covers={covers} padded={padded} "
                   f"repeated={repeated} "
                   f"epochs_differ={epochs_differ}", flush=True)
-        Reporter().result(num_samples=args.num_samples, world_size=world, set_epoch=not args.no_set_epoch,
+        Reporter(schema=None).result(num_samples=args.num_samples, world_size=world, set_epoch=not args.no_set_epoch,
                           seed=args.seed, per_rank=len(sampler), shards_by_epoch=shards_by_epoch,
                           my_shards=[shards[rank] for shards in shards_by_epoch], disjoint=disjoint,
                           covers=covers, padded=padded, repeated=repeated, epochs_differ=epochs_differ)

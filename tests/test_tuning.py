@@ -206,7 +206,7 @@ def test_every_rank_reports_memory_and_step_time_each_step(module_runs_root):
     run = _ddp(["--steps", "3", "--model", "memory", "--params", "1000000"])
     for rank in (0, 1):
         records = metrics.steps(run.metrics, rank)
-        assert [r["step"] for r in records] == [0, 1, 2]
+        assert [r["step"] for r in records] == [1, 2, 3]  # steps are numbered from 1 (helpers.rank.metrics)
         assert all(r["rss_mib"] > 0 and r["step_s"] > 0 for r in records)
     row = results.summary(run, "DDP")
     assert row["model_states_mib"] * 2**20 == pytest.approx(16 * run.result["params"], rel=1e-3)

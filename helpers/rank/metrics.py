@@ -4,7 +4,8 @@ Rank side: :class:`Reporter` appends one JSON object per line to ``<run_dir>/met
 Every record carries ``rank``, ``t`` (unix seconds) and ``kind``:
 
 * ``kind="step"``  -- a training/benchmark step: ``step`` plus free fields (``loss``, ``samples``...).
-* ``kind="total"`` -- how many steps rank 0 expects (feeds the launcher's progress bar).
+* ``kind="total"`` -- how many steps rank 0 will run (``steps``) after which step it starts (``start``, 0 unless
+  resumed): the launcher's progress bar shows ``step - start`` of ``steps``.
 * ``kind="result"`` -- final facts of the run (accuracy, checkpoint path...), merged into ``Run.result``.
 * ``kind="event"`` -- anything else worth recording (``name`` plus fields).
 
@@ -12,11 +13,20 @@ The run directory comes from the ``HELPERS_RUN_DIR`` variable that :mod:`helpers
 from the ``run_dir`` argument. Run from a plain terminal without either, the reporter is a no-op,
 so course scripts stay runnable with bare ``torchrun``.
 
+**The schema is enforced where it is written.** Step and result fields must be fields of :class:`TrainStep` /
+:class:`TrainResult`, of the annotated type (or None): anything else raises :class:`SchemaError` naming the field
+and the closest defined one, so a new script cannot drift. Demos and probes that report facts of their own say so
+with ``Reporter(schema=None)``.
+
+**Steps are numbered from 1**: a step's number is how many steps are done when it ends, in every script (and
+``step_s`` is its wall time). ``samples_per_s`` is steady-state throughput as :mod:`helpers.calc.throughput` defines
+it (the one definition: samples per step / median of the slowest rank's step time after the warm-up steps).
+
 Example (inside a rank)::
 
     rep = Reporter()
     rep.total(100)
-    for step in range(100):
+    for step in range(1, 101):
         ...
         rep.step(step, loss=loss.item(), samples=batch_size)
     rep.result(test_accuracy=0.71)
@@ -27,7 +37,8 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, TypedDict
+import difflib
+from typing import Any, Iterable, TypedDict, get_type_hints
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -38,7 +49,7 @@ class TrainStep(TypedDict, total=False):
     Memory is in MiB (2**20 bytes) everywhere in this course, and the field names say so.
     """
 
-    step: int             # the step's index (micro batches for ds_cifar10.py, optimizer steps for *_tuning.py)
+    step: int             # steps done when it ended, from 1 (micro batches for ds_cifar10.py, optimizer steps else)
     loss: float           # this rank's training loss of the step (the accumulated mean with --accumulation)
     samples: int          # samples this rank processed in the step
     epoch: int            # the epoch the step belongs to
@@ -70,7 +81,9 @@ class TrainResult(TypedDict, total=False):
     test_accuracy: float      # accuracy on the whole test set, 0..1
     train_samples: int        # samples trained on, all ranks together
     train_seconds: float      # wall seconds of the training loop on rank 0
-    samples_per_s: float      # training throughput, all ranks together: samples / seconds of the timed steps
+    samples_per_s: float      # steady-state throughput, all ranks together (helpers.calc.throughput: samples per step
+                              # / median over the steps after --skip-steps of the slowest rank's step_s)
+    timed_steps: int          # steps behind samples_per_s: this run's steps after the warm-up ones
     first_step_s: float       # wall seconds of the first step (start-up costs: allocator, compile, first bucket)
     optimizer_steps: int      # optimizer steps taken
     compiled: bool            # the model ran under torch.compile
@@ -89,6 +102,34 @@ class TrainResult(TypedDict, total=False):
     exported: str             # FSDP2: path of the plain state_dict file converted from the DCP checkpoint
     shard_size: int           # FSDP2: ranks each copy is sharded over (= world_size, or fewer with HSDP replicas)
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
+
+
+class SchemaError(ValueError):
+    """A rank reported a field the schema does not define, or a value of the wrong type."""
+
+
+_SCHEMAS = {"step": TrainStep, "result": TrainResult}
+_OK_TYPES = {float: (int, float), int: (int,), bool: (bool,), str: (str,), dict: (dict,)}
+
+
+def check_fields(kind: str, fields: dict) -> None:
+    """Raise :class:`SchemaError` unless every field is one :class:`TrainStep` (kind "step") or
+    :class:`TrainResult` (kind "result") defines, with a value of its type or None."""
+    schema = _SCHEMAS[kind]
+    hints = get_type_hints(schema)
+    for name, value in fields.items():
+        if name not in hints:
+            close = difflib.get_close_matches(name, list(hints), n=1)
+            hint = f" -- did you mean {close[0]!r}?" if close else ""
+            raise SchemaError(f"{kind} field {name!r} is not in helpers.rank.metrics.{schema.__name__}{hint} "
+                              f"(add it there, with its unit, if it is a new quantity)")
+        want = hints[name]
+        if value is None:
+            continue
+        ok = _OK_TYPES.get(want, (want,))
+        if not isinstance(value, ok) or (want is not bool and isinstance(value, bool)):
+            raise SchemaError(f"{kind} field {name!r} must be {want.__name__} (or None), "
+                              f"got {value!r} ({type(value).__name__})")
 
 
 def _rank_from_env() -> int:
@@ -114,7 +155,8 @@ class Reporter:
     different ranks never interleave (POSIX appends of one small buffer are atomic on a local file).
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, rank: int | None = None):
+    def __init__(self, run_dir: str | os.PathLike | None = None, rank: int | None = None, schema: str | None = "train"):
+        self.schema = schema
         run_dir = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV)
         self.rank = _rank_from_env() if rank is None else int(rank)
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
@@ -124,17 +166,20 @@ class Reporter:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, kind: str, **fields: Any) -> None:
+        values = {k: _jsonable(v) for k, v in fields.items()}
+        if self.schema is not None and kind in _SCHEMAS:
+            check_fields(kind, values)  # also without a run directory: a terminal run finds the typo too
         if self._fd is None:
             return
         record = {"kind": kind, "rank": self.rank, "t": time.time()}
-        record.update({k: _jsonable(v) for k, v in fields.items()})
+        record.update(values)
         os.write(self._fd, (json.dumps(record) + "\n").encode())
 
     def step(self, step: int, **fields: Any) -> None:
         self.write("step", step=int(step), **fields)
 
-    def total(self, steps: int) -> None:
-        self.write("total", steps=int(steps))
+    def total(self, steps: int, start: int = 0) -> None:
+        self.write("total", steps=int(steps), start=int(start))
 
     def result(self, **fields: Any) -> None:
         self.write("result", **fields)

@@ -28,7 +28,7 @@ def main():
     dist.init_process_group("gloo")
     train_ds, test_ds, info = get_datasets("auto", root=args.root)
     images = torch.stack([train_ds[i][0] for i in range(len(train_ds))])
-    Reporter().result(name=info.name, reason=info.reason, train_size=len(train_ds), test_size=len(test_ds),
+    Reporter(schema=None).result(name=info.name, reason=info.reason, train_size=len(train_ds), test_size=len(test_ds),
                       digest=hashlib.sha256(images.numpy().tobytes()).hexdigest())
     dist.destroy_process_group()
 

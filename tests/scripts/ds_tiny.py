@@ -25,7 +25,7 @@ def main():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-    rep = Reporter()
+    rep = Reporter(schema=None)
     rep.total(2)
     micro = engine.train_micro_batch_size_per_gpu()
     for step in range(2):
