@@ -105,7 +105,7 @@ def test_metrics_hold_step_records_of_every_rank(ok_run):
     run = ok_run.run
     for rank in (0, 1):
         steps = metrics.steps(run.metrics, rank=rank)
-        assert [r["step"] for r in steps] == [0, 1, 2, 3, 4]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
         assert all(r["value"] == 3.0 for r in steps)  # all-reduce of 1 + 2
     assert any(r["kind"] == "total" and r["rank"] == 0 for r in run.metrics)
 
@@ -214,7 +214,7 @@ def test_env_argument_reaches_the_ranks_and_name_picks_the_folder(runs_root):
     run = launch.torchrun(STEPS, nproc=2, show="none", timeout=120, env={"STEPS": 3}, name="custom")
     assert run.run_dir.parent == runs_root / "custom"
     assert run.result["steps_done"] == 3
-    assert [r["step"] for r in metrics.steps(run.metrics, rank=1)] == [0, 1, 2]
+    assert [r["step"] for r in metrics.steps(run.metrics, rank=1)] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_deepspeed_launcher_runs_two_cpu_ranks(runs_root):
     assert run.result["ds_world_size"] == 2
     assert sorted(run.results_by_rank()) == [0, 1]
     for rank in (0, 1):
-        assert [r["step"] for r in metrics.steps(run.metrics, rank=rank)] == [0, 1]
+        assert [r["step"] for r in metrics.steps(run.metrics, rank=rank)] == [1, 2]
         assert f"rank {rank} step 1 loss=" in run.log(rank)
     written = json.loads((run.run_dir / "deepspeed_config.json").read_text())
     assert written == DS_CONFIG

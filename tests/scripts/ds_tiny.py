@@ -34,7 +34,7 @@ def main():
         loss = torch.nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         engine.step()
-        rep.step(step, loss=loss.item())
+        rep.step(step + 1, loss=loss.item())  # steps are numbered from 1, as in every course script
         print(f"rank {rank} step {step} loss={loss.item():.4f}", flush=True)
     rep.result(steps_done=2, world_size=dist.get_world_size(), ds_world_size=engine.world_size)
     dist.destroy_process_group()

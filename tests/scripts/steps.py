@@ -39,7 +39,7 @@ def main():
             t = torch.ones(4) * (rank + 1)
             dist.all_reduce(t)
             time.sleep(step_s)
-            rep.step(step, value=t[0].item())
+            rep.step(step + 1, value=t[0].item())  # numbered from 1, as in every course script
             print(f"rank {rank} step {step} sum={t[0].item():.0f}", flush=True)
         rep.result(steps_done=steps, world_size=dist.get_world_size())
     finally:
