@@ -20,20 +20,15 @@ def _divisors(n: int) -> str:
 
 
 def shard_size_problem(world_size: int, shard_size: int | None) -> str | None:
-    """What is wrong with sharding ``world_size`` ranks in groups of ``shard_size`` (None: all of them), or None.
-
-    The mesh is (replicas, shard size): it must hold the world exactly, so the shard size divides it.
+    """What is wrong with sharding ``world_size`` ranks in groups of ``shard_size`` (None: all of them), or None: the
+    same rule the launcher applies before launch (:func:`divides_world_size`), for a script started from a terminal.
 
         >>> shard_size_problem(4, 2) is None
         True
         >>> shard_size_problem(2, 4)
-        '--shard-size 4 cannot shard over 2 ranks: ... use one of 1, 2'
+        '--shard-size 4 does not divide the 2 ranks into equal groups (...); use one of 1, 2'
     """
-    size = world_size if shard_size is None else shard_size
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= world_size or world_size % size:
-        return (f"--shard-size {size} cannot shard over {world_size} ranks: the mesh is (replicas, shard size) and "
-                f"must hold WORLD_SIZE ranks exactly; use one of {_divisors(world_size)}")
-    return None
+    return None if shard_size is None else divides_world_size("--shard-size", str(shard_size), world_size)
 
 
 def divides_world_size(flag: str, value: str, world_size: int) -> str | None:

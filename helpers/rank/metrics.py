@@ -33,11 +33,11 @@ Example (inside a rank)::
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import time
 from pathlib import Path
-import difflib
 from typing import Any, Iterable, TypedDict, get_type_hints
 
 METRICS_FILE = "metrics.jsonl"
@@ -109,14 +109,14 @@ class SchemaError(ValueError):
 
 
 _SCHEMAS = {"step": TrainStep, "result": TrainResult}
+_HINTS = {kind: get_type_hints(schema) for kind, schema in _SCHEMAS.items()}  # once: check_fields runs every step
 _OK_TYPES = {float: (int, float), int: (int,), bool: (bool,), str: (str,), dict: (dict,)}
 
 
 def check_fields(kind: str, fields: dict) -> None:
     """Raise :class:`SchemaError` unless every field is one :class:`TrainStep` (kind "step") or
     :class:`TrainResult` (kind "result") defines, with a value of its type or None."""
-    schema = _SCHEMAS[kind]
-    hints = get_type_hints(schema)
+    schema, hints = _SCHEMAS[kind], _HINTS[kind]
     for name, value in fields.items():
         if name not in hints:
             close = difflib.get_close_matches(name, list(hints), n=1)
