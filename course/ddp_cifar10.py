@@ -31,7 +31,7 @@ from helpers.rank.runtime import end_rank, launched_ranks, log0
 
 
 def parse_args():
-    p = harness.parser("DDP training of SimpleCNN on CIFAR-10 (launch with torchrun).")
+    p = harness.dtype_flag(harness.parser("DDP training of SimpleCNN on CIFAR-10 (launch with torchrun)."))
     p.add_argument("--out-dir", default=os.environ.get("HELPERS_RUN_DIR") or "runs/ddp_cifar10")
     return p.parse_args()
 
@@ -56,7 +56,9 @@ def train(args, rank, local_rank, world_size, device):
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
 
-    model = DDP(SimpleCNN(info.num_classes).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
+    dtype = harness.train_dtype(args)  # fp32; fp64 only to measure fp32 rounding (helpers/calc/parity.py)
+    model = DDP(SimpleCNN(info.num_classes).to(device, dtype),
+                device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     total_steps = args.steps if args.steps is not None else args.epochs * len(loader)
@@ -68,7 +70,7 @@ def train(args, rank, local_rank, world_size, device):
     for epoch in range(-(-total_steps // len(loader))):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, identical on all ranks
         for images, labels in meter.batches(loader):
-            images, labels = images.to(device), labels.to(device)
+            images, labels = images.to(device, dtype), labels.to(device)
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces (averages) the gradients across ranks during backward
@@ -76,7 +78,8 @@ def train(args, rank, local_rank, world_size, device):
             meter.step(loss=loss.item(), epoch=epoch, samples=labels.size(0))
     run = meter.finish()  # steady-state samples/s from every rank's step times (helpers/calc/throughput.py)
 
-    accuracy = harness.evaluate(model.module, test_ds, device)  # .module: no gradients, nothing to synchronise
+    # .module: no gradients, nothing to synchronise
+    accuracy = harness.evaluate(model.module, test_ds, device, dtype=dtype)
     checkpoint = os.path.join(args.out_dir, "ddp_model.pt")
     if rank == 0:  # save_atomic: temporary file, fsync, rename -- a crash never leaves half a checkpoint
         save_atomic(model.module.state_dict(), checkpoint)  # .module: the plain model, no "module." prefix
@@ -85,7 +88,7 @@ def train(args, rank, local_rank, world_size, device):
     log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images | {run['train_seconds']:.1f} s training | "
          f"{meter.throughput_line()}")
     meter.report(framework="ddp", test_accuracy=accuracy, global_batch=args.batch_size * world_size,
-                 dataset=info.name, checkpoint=checkpoint)
+                 dataset=info.name, checkpoint=checkpoint, dtype=args.dtype)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ LAUNCH_RULES = {"--shard-size": "divides_world_size"}
 
 
 def parse_args():
-    p = harness.parser("FSDP2 training of SimpleCNN on CIFAR-10 (launch with torchrun).")
+    p = harness.dtype_flag(harness.parser("FSDP2 training of SimpleCNN on CIFAR-10 (launch with torchrun)."))
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep gathered parameters from forward to backward (ZeRO-2-like: more memory, fewer gathers)")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction")
@@ -59,6 +59,8 @@ def main():
     if args.cpu_offload and device.type != "cuda":  # refused before anything starts, with what to change
         sys.exit("--cpu-offload keeps the shards in CPU memory and copies them to the GPU for every all-gather; "
                  "on a CPU rank they are in CPU memory already (and pinning needs CUDA): drop --cpu-offload")
+    if args.bf16 and args.dtype != "fp32":
+        sys.exit("--bf16 computes in bf16 from fp32 shards; drop --dtype fp64, or drop --bf16")
     problem = shard_size_problem(world_size, args.shard_size)
     if problem:
         sys.exit(problem)
@@ -77,7 +79,8 @@ def train(args, rank, world_size, device):
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
     rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
-    model = SimpleCNN(info.num_classes).to(device)
+    dtype = harness.train_dtype(args)  # fp32; fp64 only to measure fp32 rounding (helpers/calc/parity.py)
+    model = SimpleCNN(info.num_classes).to(device, dtype)
     params = count_parameters(model)  # before sharding
     if args.shard_size == world_size:  # 1-D mesh: shard over every rank ("cpu" or "cuda")
         mesh = init_device_mesh(device.type, (world_size,))
@@ -115,7 +118,7 @@ def train(args, rank, world_size, device):
         sampler.set_epoch(epoch)  # the same global batches at any world size with the same global batch
         resume_at = meter.done % len(loader) if epoch == start // len(loader) else 0
         for images, labels in meter.batches(itertools.islice(loader, resume_at, None)):
-            images, labels = images.to(device), labels.to(device)
+            images, labels = images.to(device, dtype), labels.to(device)
             loss = F.cross_entropy(model(images), labels)  # each block all-gathers its weights, then frees them
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # gathers again (if resharded), then reduce-scatters: each rank keeps its gradient shard
@@ -124,7 +127,7 @@ def train(args, rank, world_size, device):
             meter.step(loss=loss.item(), epoch=epoch, samples=labels.size(0))
     run = meter.finish()
 
-    accuracy = harness.evaluate(model, test_ds, device)  # every forward all-gathers: all ranks take part
+    accuracy = harness.evaluate(model, test_ds, device, dtype=dtype)  # every forward all-gathers: all ranks join
     checkpoint = checkpoint_bytes = None
     if args.save_dir:  # ALL ranks save: each writes its own shards, rank 0 also the metadata (.metadata)
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -140,8 +143,8 @@ def train(args, rank, world_size, device):
     hsdp = args.shard_size < world_size  # HSDP's all-reduce across the replicas goes uncounted: report none
     meter.rep.result(model_state_bytes=states, comm_per_step=None if hsdp else meter.comm_per_step())  # every rank
     meter.report(framework="fsdp2", test_accuracy=accuracy, global_batch=args.batch_size * world_size,
-                 dataset=info.name, shard_size=args.shard_size, params=params, dtype="bf16" if args.bf16 else "fp32",
-                 steps=meter.done, resumed_from=start, reshard_after_forward=shard["reshard_after_forward"],
+                 dataset=info.name, shard_size=args.shard_size, params=params, steps=meter.done, resumed_from=start,
+                 dtype="bf16" if args.bf16 else args.dtype, reshard_after_forward=shard["reshard_after_forward"],
                  checkpoint=checkpoint, checkpoint_bytes=checkpoint_bytes, exported=args.export,
                  rss_start_mib=rss_start)
 

@@ -83,6 +83,17 @@ def test_training_scripts_use_the_checked_schema():
     assert not [p.name for p in training if "schema=None" in p.read_text()]
 
 
+def test_dtype_flag_offers_fp32_and_the_fp64_that_measures_its_rounding():
+    """--dtype of the plain PyTorch scripts (DDP, FSDP2): fp32 by default, fp64 for the noise floor, nothing else."""
+    import torch
+    from helpers.rank import harness
+    p = harness.dtype_flag(harness.parser("test"))
+    assert harness.train_dtype(p.parse_args([])) is torch.float32
+    assert harness.train_dtype(p.parse_args(["--dtype", "fp64"])) is torch.float64
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dtype", "bf16"])  # bf16 is --bf16 (autocast / MixedPrecisionPolicy), not a weight dtype
+
+
 # ------------------------------------------------------------------------------------------- real runs
 
 

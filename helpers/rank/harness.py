@@ -5,6 +5,8 @@ and ``set_epoch``, ``DDP(...)``, ``deepspeed.initialize(...)``, ``fully_shard(..
 else lives here, once:
 
 * :func:`parser` -- the data, model and run flags every training script shares; scripts add their own.
+* :func:`dtype_flag` and :func:`train_dtype` -- ``--dtype fp32|fp64`` for the plain PyTorch scripts (DDP, FSDP2):
+  fp64 is how a test measures the noise floor of fp32 rounding (:mod:`helpers.calc.parity`).
 * :func:`datasets` and :func:`build_model` -- the data set (with the synthetic-data announcement) and the model.
 * :class:`Meter` -- one step numbering (the first step is 1, a step's number is how many steps are done when it
   ends), the step clock (data fetch to finished work), warm-up skip, memory sampling, the step records, the
@@ -69,6 +71,26 @@ def parser(description: str, *, steps: int | None = None, test_size: int | None 
     p.add_argument("--skip-steps", type=int, default=5,
                    help="warm-up steps left out of samples_per_s: allocator, first bucketing and all-reduce, compile")
     return p
+
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def dtype_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--dtype fp32`` (default) or ``fp64``: the dtype of the weights, gradients, optimizer state and inputs.
+
+    Only for the plain PyTorch scripts (DDP, FSDP2), which train in any dtype the model is built in. fp64 is not a
+    lesson but a measurement: float addition is not associative, so a distributed fp32 run drifts from the
+    one-process fp32 run; the one-process run in fp64 shows how large that drift is (:mod:`helpers.calc.parity`).
+    DeepSpeed has no fp64 (its own ``--dtype`` offers fp32, bf16 and fp16)."""
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="fp64: measure the noise floor of fp32 rounding against this run (tests, notebook 07)")
+    return p
+
+
+def train_dtype(args) -> torch.dtype:
+    """The torch dtype of ``--dtype`` (:func:`dtype_flag`)."""
+    return DTYPES[args.dtype]
 
 
 def model_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
