@@ -9,7 +9,7 @@ NBVAL   := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitiz
 # The fast tier (make check): every test not marked slow, browser or slurm, and the one real launch marked smoke
 FAST    := (not slow and not browser and not slurm) or smoke
 
-.PHONY: setup course check test unit slow nbtest lab lab-zh regen translate bench clean
+.PHONY: setup course check test unit slow nbtest matrix lab lab-zh regen translate bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ slow: setup            ## the tests beyond the fast tier: real multi-process lau
 # notebooks/zh/ holds the same cells and outputs (tests/test_translations.py proves it), so nbval runs once.
 nbtest: setup
 	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks/[0-9]*.ipynb -q -p no:cacheprovider
+
+# Not part of `make test` or CI (about 1.5 hours on a 2-core CPU): every notebook at NPROC 1, 2, 3, and 4 for the
+# sharding chapters (the counts live in helpers/notebook/matrix.py), into build/matrix/<nproc>/.
+# Narrowed: make matrix NOTEBOOKS="01 02" NPROCS="1 3"
+matrix: setup          ## every notebook at several rank counts: checks True/total, False and missing ones, seconds
+	$(PY) -m helpers.notebook.matrix $(NOTEBOOKS) $(if $(strip $(NPROCS)),--nprocs $(NPROCS)) --profile $(PROFILE)
 
 # Kernels over Unix sockets in Jupyter's runtime folder, not TCP on 127.0.0.1 (which any local process can reach, and
 # about which ipykernel warns on every kernel start), where that folder's path leaves a socket path (~100 bytes at

@@ -161,13 +161,15 @@ def kernel_transport(transport: str, sockets: Path) -> dict:
     return {"config": Config({"KernelManager": manager})}
 
 
-def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overrides: dict) -> list[dict]:
+def run_chapters(chapters: list[Chapter], *, in_place: bool, profile: str, overrides: dict,
+                 out_dir: Path | None = None) -> list[dict]:
+    """Execute ``chapters`` in place or into ``out_dir`` (default build/notebooks); one summary row for each."""
     settings, _ = syllabus()
     kernel = settings.get("kernel", "dtfz")
     cell_timeout = int(settings.get("cell_timeout_s", 600))
     rows = []
     for ch in chapters:
-        out = ch.path if in_place else BUILD / "notebooks" / ch.file
+        out = ch.path if in_place else (out_dir or BUILD / "notebooks") / ch.file
         print(f"==> {ch.id} {ch.file} ({ch.title})", flush=True)
         start = time.monotonic()
         status, error = "ok", ""
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("notebooks", nargs="*", help="ids (00), file names or stems; default: all")
         p.add_argument("--profile", default="auto", help="auto (smoke on CPU, full on GPUs), smoke or full")
         p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                       help="override a notebook parameter, e.g. -p nproc 4")
+                       help="override a notebook parameter, e.g. -p NPROC 4 (the name as in the parameters cell)")
     sub.add_parser("env", help="print the environment report as JSON")
     args = parser.parse_args(argv)
 
