@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.notebook import exercises, i18n, translate
-from helpers.notebook.exercises import env, faults, fsdp, practice, zero
+from helpers.notebook.exercises import env, faults, fsdp, practice, write, zero
 
 CATALOGUE = translate.catalogue_path(i18n.EXERCISES_DOMAIN)
 CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]")
@@ -41,7 +41,7 @@ def english(monkeypatch, tmp_path):
 def test_every_message_is_marked_and_found():
     sources = translate.exercise_sources()
     modules = {s.occurrence.split(":")[0].rsplit("/", 1)[1] for s in sources}
-    assert modules == {"__init__.py", "env.py", "faults.py", "fsdp.py", "practice.py", "zero.py"}
+    assert modules == {"__init__.py", "env.py", "faults.py", "fsdp.py", "practice.py", "ranks.py", "write.py", "zero.py"}
     assert len({s.msgid for s in sources}) > 200
 
 
@@ -125,9 +125,22 @@ CASES = {
         lambda: faults.check_resume_point((5, 2), snapshot_every=5, fault_step=7),
         "Correct: the newest snapshot on disk is step 5's; the restart trains steps 6 to 7 again (2 steps)."),
     "resume wrong": (
-        lambda: faults.check_resume_point((20, 0), snapshot_every=5, fault_step=20),
+        lambda: faults.check_resume_point((20, 0), snapshot_every=5, fault_step=20, fault_rank=0),
         "Not yet: the restart does not resume from step 20.\nHint: Look at the order of the lines after each step in "
         "the script's loop: does the fault injector run before or after that step's snapshot is written?"),
+    "resume right, the writer died": (
+        lambda: faults.check_resume_point((15, 5), snapshot_every=5, fault_step=20, fault_rank=0),
+        "Correct: rank 0 writes the snapshots, and it died after step 20 before writing that step's, so the newest on "
+        "disk is step 15's; the restart trains steps 16 to 20 again (5 steps). (Had another rank died there, rank 0 "
+        "could have written step 20's first: a race.)"),
+    "resume race": (
+        lambda: faults.check_resume_point((20, 0), snapshot_every=5, fault_step=20, fault_rank=1),
+        "Correct: it depends on a race: rank 0, the only writer, may or may not finish step 20's snapshot before "
+        "torchrun stops it, so the restart resumes from step 20 (nothing redone) or from step 15 (5 steps redone)."),
+    "written code still an outline": (
+        lambda: write.check_ring_all_reduce("def ring_all_reduce(tensor):\n    ...\n"),
+        "Not yet: the function is still the exercise's outline, so nothing was launched.\nHint: Replace the ... "
+        "with your lines, run the cell again, then run this check."),
     "atomic wrong": (
         lambda: faults.check_atomic_save(lambda state, path: torch.save(state, path)),
         "Not yet: a crash half-way through the second save left a corrupt file where the first one was.\nHint: "

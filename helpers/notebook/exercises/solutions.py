@@ -1,0 +1,82 @@
+"""Reference solutions of the write-the-code exercises (:mod:`helpers.notebook.exercises.write`).
+
+A notebook never prints these by default; ``print(write.solution("ring_all_reduce"))`` shows one on request. The
+tests run each of them through its checker, on real ranks, and expect it to pass.
+"""
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+__all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard"]
+
+
+def ring_all_reduce(tensor):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(torch.tensor_split(tensor, world))  # views into tensor; N pieces even when it is short
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(world - 1):
+            send_i = (rank - step + (1 if phase == "all-gather" else 0)) % world
+            recv_i = (send_i - 1) % world
+            incoming = torch.empty_like(chunks[recv_i])
+            reqs = [dist.isend(chunks[send_i], right), dist.irecv(incoming, left)]
+            for r in reqs:
+                r.wait()
+            if phase == "reduce-scatter":
+                chunks[recv_i] += incoming  # after N-1 steps, chunk (rank + 1) % N holds the full sum
+            else:
+                chunks[recv_i].copy_(incoming)
+    return tensor
+
+
+def train(model, dataset, epochs):
+    model = DDP(model)
+    sampler = DistributedSampler(dataset)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return model
+
+
+def shard(model):
+    for block in model[:-1]:  # every block its own unit: gathered just before it runs, freed after
+        fully_shard(block)
+    fully_shard(model)  # the root: the last layer, which no block owns
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # after sharding: it must see the DTensors
+    return model, optimizer
+
+
+def train_step(model, optimizer, micro_batches):
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        # all but the last: forward AND backward inside no_sync (DDP decides in forward whether backward syncs)
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = nn.functional.cross_entropy(model(x), y) / len(micro_batches)  # the mean over all of them
+            loss.backward()  # the last one all-reduces everything accumulated
+    optimizer.step()
+
+
+def save_checkpoint(path, model, optimizer, step):
+    if dist.get_rank() == 0:  # the replicas are identical: one writer
+        tmp = f"{path}.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+        os.replace(tmp, path)  # atomic: the name points at the old whole file or the new whole file
+
+
+def load_checkpoint(path, model, optimizer):
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"] + 1  # the saved step is done
