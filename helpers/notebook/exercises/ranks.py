@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 from ... import launch
+from ...calc import parity
 from ...rank.exercises import OUTCOME
 from ..i18n import _
 from . import Verdict
@@ -164,15 +165,14 @@ def _error_hint(error: dict) -> str:
     return _("Read the error: it is raised by your lines, on that rank.")
 
 
-PARITY_K = 8  # how many rounding floors a sharded run may drift from one process before it counts as different
+PARITY_K = parity.K  # how many rounding floors another ordering of the same sums may drift (helpers.calc.parity)
 
 
 def parity_bound(reference_fp32: list[float], reference_fp64: list[float]) -> tuple[float, float]:
-    """(floor, tolerance): the floor is how far one process's float32 losses are from its float64 ones, at least one
-    float32 rounding step of the loss; float addition is not associative, so another order of the same sums (a
-    sharded run) lands within a few floors of the float32 run, and :data:`PARITY_K` floors is the tolerance."""
-    floor = max(abs(a - b) for a, b in zip(reference_fp32, reference_fp64))
-    floor = max(floor, 2.0 ** -23 * max(abs(v) for v in reference_fp32))
+    """(floor, tolerance) for "the same computation as one process": the floor is how far one process's float32
+    numbers are from its float64 ones (:func:`helpers.calc.parity.floor`), measured in the same run; float addition
+    is not associative, so another order of the same sums lands within a few floors, :data:`PARITY_K` of them."""
+    floor = parity.floor(reference_fp32, reference_fp64)
     return floor, PARITY_K * floor
 
 

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard"]
+__all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config"]
 
 
 def ring_all_reduce(tensor):
@@ -80,3 +80,12 @@ def load_checkpoint(path, model, optimizer):
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return state["step"] + 1  # the saved step is done
+
+
+def ds_config():
+    return {  # ZeRO-2: optimizer state and gradients partitioned, 4 + (4 + 12) / 2 = 12 bytes per parameter per rank
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},  # torch's AdamW: runs on CPUs too
+        "zero_optimization": {"stage": 2},
+    }

@@ -272,6 +272,70 @@ def check_resumable(save_checkpoint, load_checkpoint, nproc: int = 2) -> Verdict
                            fault=fault, nproc=nproc))
 
 
+DS_PARAMS, DS_MICRO, DS_ACCUMULATION = 400_000, 4, 2  # the model and batch of the ds_config exercise (notebook 03)
+
+
+def ds_budget_bytes(world_size: int = 2) -> float:
+    """The ds_config exercise's budget of model states per rank, in fp32: halfway between what ZeRO-1 and ZeRO-2
+    keep by the formula (with DeepSpeed's K), so ZeRO-2 is the lowest stage that fits."""
+    from ...calc import memory
+    one, two = (memory.zero_model_state_bytes(DS_PARAMS, world_size, stage, "fp32",
+                                              k=memory.deepspeed_k(stage, "fp32"))["total"] for stage in (1, 2))
+    return (one + two) / 2
+
+
+@_never_raises
+def check_ds_config(config, nproc: int = 2) -> Verdict:
+    """Launch ``course/ds_cifar10.py`` with the learner's ds_config on ``nproc`` ranks (a 400,000-parameter
+    model, fp32, micro batch 4 per rank, 2 accumulation steps) and check the model states each rank measured
+    against :func:`ds_budget_bytes`, at the lowest stage that fits."""
+    from collections.abc import Mapping
+
+    from ...calc import dsconfig
+    if not isinstance(config, Mapping) or not config:
+        return Verdict(False, _("expected a ds_config dict, got {answer!r}.", answer=config),
+                       _("Write the config as a Python dict, the same shape as the JSON files above."))
+    config = dict(config)
+    if any(isinstance(config.get(k), Mapping) and config[k].get("enabled") for k in ("bf16", "fp16")):
+        return Verdict(False, _("the config trains in half precision; this exercise is in fp32."),
+                       _("Leave out the bf16 and fp16 sections: the budget is for fp32 weights and gradients."))
+    args = ["--model", "memory", "--params", DS_PARAMS, "--depth", 8, "--steps", 2, "--dataset", "synthetic",
+            "--train-size", 64, "--test-size", 64]
+    try:
+        run = launch.deepspeed("course/ds_cifar10.py", nproc=nproc, config=config, args=args, show="none",
+                               timeout=300, stall_timeout=120, name="exercise-ds-config")
+    except launch.LaunchError as e:
+        if e.reason == "invalid":  # refused before anything started, with the validator's own words
+            return Verdict(False, _("the launch was refused before it started: {error}", error=str(e)),
+                           _("Fix what the refusal says: the same checks run before every launch.deepspeed."))
+        return Verdict(False, _("the run failed: {error}", error=str(e).splitlines()[0]),
+                       _("Read the error above; start from the fields of section 2."))
+    sizes = dsconfig.batch_sizes(config, nproc)
+    if (sizes["micro_batch"], sizes["accumulation"]) != (DS_MICRO, DS_ACCUMULATION):
+        return Verdict(False, _("it trains, but with {micro} samples per rank per micro batch and {accumulation} "
+                                "accumulation steps, not the {want_micro} and {want_accumulation} asked for.",
+                                micro=sizes["micro_batch"], accumulation=sizes["accumulation"],
+                                want_micro=DS_MICRO, want_accumulation=DS_ACCUMULATION),
+                       _("Set train_micro_batch_size_per_gpu and gradient_accumulation_steps (and "
+                         "train_batch_size, if you give it, by the batch rule)."))
+    budget = ds_budget_bytes(nproc)
+    held = max(r["model_state_bytes"]["total"] for r in run.results_by_rank().values())
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    if held > budget:
+        return Verdict(False, _("at stage {stage} a rank measured {held:.2f} MB of model states, over the "
+                                "{budget:.2f} MB budget.", stage=stage, held=held / 1e6, budget=budget / 1e6),
+                       _("Partition more of the model states: each higher stage divides one more kind (optimizer "
+                         "state, gradients, weights) by the number of ranks; compute the formula for each stage."))
+    if stage > 2:
+        return Verdict(False, _("stage {stage} fits ({held:.2f} MB per rank), but a lower stage fits as well.",
+                                stage=stage, held=held / 1e6),
+                       _("Each stage above the one you need adds communication (ZeRO-3 gathers the weights in every "
+                         "forward and backward): compute the formula for the lower stages too."))
+    return Verdict(True, _("stage {stage} on {nproc} ranks: each rank measured at most {held:.2f} MB of model states, "
+                           "within the {budget:.2f} MB budget, and no lower stage fits it.", stage=stage,
+                           nproc=nproc, held=held / 1e6, budget=budget / 1e6))
+
+
 def solution(name: str) -> str:
     """The reference solution of a write-the-code exercise, as source (shown only when asked for)."""
     from . import solutions
