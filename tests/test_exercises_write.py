@@ -334,30 +334,26 @@ def test_each_resume_mistake_gets_its_hint(mistake):
 
 def _ds(stage: int, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, **extra}
+            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            **extra}
 
 
-def test_the_budget_lies_between_zero_1_and_zero_2():
+def test_the_budget_lies_between_zero_2_and_zero_3():
     from helpers.calc import memory
-    one, two = (memory.zero_model_state_bytes(write.DS_PARAMS, 2, s, "fp32", k=12)["total"] for s in (1, 2))
-    assert two < write.ds_budget_bytes(2) < one
+    from helpers.rank.models import count_parameters, make_memory_model
+    params = count_parameters(make_memory_model(write.DS_PARAMS, 8))
+    two, three = (memory.zero_model_state_bytes(params, 2, s, "mixed", k=12)["total"] for s in (2, 3))
+    assert three < write.ds_budget_bytes(2) < two
 
 
 def test_a_config_that_breaks_the_batch_rule_is_refused_before_a_launch():
     # the blog's config: 64 = 2 x 32 forgets the accumulation; here 64 != 4 x 2 x 2
-    verdict = write.check_ds_config(_ds(2, train_batch_size=64))
+    verdict = write.check_ds_config(_ds(3, train_batch_size=64))
     assert not verdict and "refused before it started" in verdict.message, verdict
 
 
-def test_half_precision_is_answered_without_a_launch():
-    verdict = write.check_ds_config(_ds(2, bf16={"enabled": True}))
-    assert not verdict and "fp32" in verdict.message
-
-
 @pytest.mark.slow
-def test_the_reference_ds_config_passes_and_the_wrong_stages_get_their_hints():
+def test_the_reference_ds_config_passes_and_a_lower_stage_gets_its_hint():
     assert write.check_ds_config(solutions.ds_config()), "reference"
-    too_low = write.check_ds_config(_ds(1))
+    too_low = write.check_ds_config(_ds(2))
     assert not too_low and "Partition more of the model states" in too_low.hint, too_low
-    too_high = write.check_ds_config(_ds(3))
-    assert not too_high and "a lower stage fits as well" in too_high.message, too_high

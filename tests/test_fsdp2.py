@@ -160,8 +160,9 @@ def test_cpu_offload_on_a_cpu_rank_is_refused_with_what_to_change(module_runs_ro
 def test_hsdp_with_shard_size_one_trains_like_ddp_and_holds_ddp_memory(runs):
     run = _torchrun(SCRIPT, 2, DATA + ["--batch-size", GLOBAL_BATCH // 2, "--steps", 4, "--shard-size", 1], "fsdp2_hsdp")
     assert run.result["shard_size"] == 1 and run.results_by_rank()[0]["comm_per_step"] is None
-    hsdp, ddp = mean_loss(run), mean_loss(runs["ddp"])
-    assert all(abs(hsdp[s] - ddp[s]) < LOSS_TOL for s in hsdp), (hsdp, ddp)
+    hsdp, one = mean_loss(run), mean_loss(runs["one"])
+    result = parity.check(hsdp, one, _floor(runs, max(hsdp)))  # DDP-like, so one process's curve within K floors
+    assert result["ok"], f"HSDP (shard size 1) vs one process: {parity.describe(result)}"
     whole = memory.zero_model_state_bytes(run.result["params"], 2, stage=0, precision="fp32")["total"]  # 16 P
     for r in run.results_by_rank().values():
         assert 0.95 <= r["model_state_bytes"]["total"] / whole <= 1.05

@@ -272,23 +272,28 @@ def check_resumable(save_checkpoint, load_checkpoint, nproc: int = 2) -> Verdict
                            fault=fault, nproc=nproc))
 
 
-DS_PARAMS, DS_MICRO, DS_ACCUMULATION = 400_000, 4, 2  # the model and batch of the ds_config exercise (notebook 03)
+DS_PARAMS, DS_MICRO, DS_ACCUMULATION = 20_000_000, 4, 2  # the model and batch of the ds_config exercise (03)
+DS_ARGS = ["--model", "memory", "--params", DS_PARAMS, "--depth", 8, "--steps", 2, "--dataset", "synthetic",
+           "--train-size", 64, "--test-size", 64]
 
 
 def ds_budget_bytes(world_size: int = 2) -> float:
-    """The ds_config exercise's budget of model states per rank, in fp32: halfway between what ZeRO-1 and ZeRO-2
-    keep by the formula (with DeepSpeed's K), so ZeRO-2 is the lowest stage that fits."""
+    """The ds_config exercise's budget of model states per rank, in bf16: halfway between what ZeRO-2 and ZeRO-3
+    keep by the formula (DeepSpeed's K) for the exercise's model, so ZeRO-3 is the only stage that fits. Halfway
+    leaves room on both sides for what the formula leaves out (03 measures stage 2 at most ~1% above it)."""
     from ...calc import memory
-    one, two = (memory.zero_model_state_bytes(DS_PARAMS, world_size, stage, "fp32",
-                                              k=memory.deepspeed_k(stage, "fp32"))["total"] for stage in (1, 2))
-    return (one + two) / 2
+    from ...rank.models import count_parameters, make_memory_model
+    params = count_parameters(make_memory_model(DS_PARAMS, 8))
+    two, three = (memory.zero_model_state_bytes(params, world_size, stage, "mixed",
+                                                k=memory.deepspeed_k(stage, "mixed"))["total"] for stage in (2, 3))
+    return (two + three) / 2
 
 
 @_never_raises
 def check_ds_config(config, nproc: int = 2) -> Verdict:
-    """Launch ``course/ds_cifar10.py`` with the learner's ds_config on ``nproc`` ranks (a 400,000-parameter
-    model, fp32, micro batch 4 per rank, 2 accumulation steps) and check the model states each rank measured
-    against :func:`ds_budget_bytes`, at the lowest stage that fits."""
+    """Launch ``course/ds_cifar10.py`` with the learner's ds_config on ``nproc`` ranks (a 20M-parameter MLP, micro
+    batch 4 per rank, 2 accumulation steps) and check the model states each rank measured against
+    :func:`ds_budget_bytes`."""
     from collections.abc import Mapping
 
     from ...calc import dsconfig
@@ -296,14 +301,9 @@ def check_ds_config(config, nproc: int = 2) -> Verdict:
         return Verdict(False, _("expected a ds_config dict, got {answer!r}.", answer=config),
                        _("Write the config as a Python dict, the same shape as the JSON files above."))
     config = dict(config)
-    if any(isinstance(config.get(k), Mapping) and config[k].get("enabled") for k in ("bf16", "fp16")):
-        return Verdict(False, _("the config trains in half precision; this exercise is in fp32."),
-                       _("Leave out the bf16 and fp16 sections: the budget is for fp32 weights and gradients."))
-    args = ["--model", "memory", "--params", DS_PARAMS, "--depth", 8, "--steps", 2, "--dataset", "synthetic",
-            "--train-size", 64, "--test-size", 64]
     try:
-        run = launch.deepspeed("course/ds_cifar10.py", nproc=nproc, config=config, args=args, show="none",
-                               timeout=300, stall_timeout=120, name="exercise-ds-config")
+        run = launch.deepspeed("course/ds_cifar10.py", nproc=nproc, config=config, args=DS_ARGS, show="none",
+                               timeout=600, stall_timeout=180, name="exercise-ds-config")
     except launch.LaunchError as e:
         if e.reason == "invalid":  # refused before anything started, with the validator's own words
             return Verdict(False, _("the launch was refused before it started: {error}", error=str(e)),
@@ -326,13 +326,8 @@ def check_ds_config(config, nproc: int = 2) -> Verdict:
                                 "{budget:.2f} MB budget.", stage=stage, held=held / 1e6, budget=budget / 1e6),
                        _("Partition more of the model states: each higher stage divides one more kind (optimizer "
                          "state, gradients, weights) by the number of ranks; compute the formula for each stage."))
-    if stage > 2:
-        return Verdict(False, _("stage {stage} fits ({held:.2f} MB per rank), but a lower stage fits as well.",
-                                stage=stage, held=held / 1e6),
-                       _("Each stage above the one you need adds communication (ZeRO-3 gathers the weights in every "
-                         "forward and backward): compute the formula for the lower stages too."))
     return Verdict(True, _("stage {stage} on {nproc} ranks: each rank measured at most {held:.2f} MB of model states, "
-                           "within the {budget:.2f} MB budget, and no lower stage fits it.", stage=stage,
+                           "within the {budget:.2f} MB budget.", stage=stage,
                            nproc=nproc, held=held / 1e6, budget=budget / 1e6))
 
 
