@@ -139,3 +139,17 @@ def test_the_progress_bar_ends_on_the_last_step(runs_root, monkeypatch, capsys):
                     args=["--dataset", "synthetic", "--train-size", 320, "--test-size", 32, "--batch-size", 16])
     err = capsys.readouterr().err
     assert "10/10" in err and "11/10" not in err, err[-2000:]
+
+
+def test_window_rates_split_the_steady_steps_into_equal_windows():
+    step_s = [[9.0, 0.1, 0.1, 0.2, 0.2, 0.5], [1.0, 0.1, 0.12, 0.1, 0.25, 0.1]]
+    # slowest rank per step: 9.0 | 0.1 0.12 | 0.2 0.25 | 0.5 (left over, not a whole window)
+    rates = throughput.window_samples_per_s(step_s, samples_per_step=10, skip=1, windows=2)
+    assert rates == pytest.approx([10 / 0.11, 10 / 0.225])
+
+
+def test_window_rates_refuse_more_windows_than_steady_steps():
+    with pytest.raises(ValueError, match="cannot fill 3 windows"):
+        throughput.window_samples_per_s([[1.0, 0.1, 0.1]], samples_per_step=10, skip=1, windows=3)
+    with pytest.raises(ValueError, match="windows must be"):
+        throughput.window_samples_per_s([[1.0, 0.1, 0.1]], samples_per_step=10, skip=1, windows=0)

@@ -57,3 +57,24 @@ def median_spread(values: Iterable[float]) -> tuple[float, float, float]:
     if not xs:
         raise ValueError("no values")
     return statistics.median(xs), xs[0], xs[-1]
+
+
+def window_samples_per_s(step_s_by_rank, samples_per_step: float, skip: int, windows: int) -> list[float]:
+    """Steady-state samples/s of ``windows`` consecutive, equal windows of one run's steps after the first ``skip``
+    (each window's rate from the median of its slowest-rank step times, like :func:`steady_samples_per_s`).
+
+    Repeating the timed window inside one launch measures the spread of a steady state without paying a launch (and
+    the framework's start-up) per repeat; :func:`median_spread` of the result is how it is stated. Steps that do not
+    fill a whole window at the end are left out. Refuses fewer steps than windows.
+
+    Example::
+
+        window_samples_per_s([[9.0, 0.1, 0.1, 0.2, 0.2]], samples_per_step=10, skip=1, windows=2)  # [100.0, 50.0]
+    """
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise ValueError(f"windows must be a whole number >= 1, got {windows!r}")
+    timed = steady_step_s(step_s_by_rank, skip)
+    size = len(timed) // windows
+    if size == 0:
+        raise ValueError(f"{len(timed)} steady-state steps cannot fill {windows} windows: run more steps")
+    return [samples_per_step / statistics.median(timed[i * size:(i + 1) * size]) for i in range(windows)]
