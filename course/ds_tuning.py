@@ -32,6 +32,8 @@ def parse_args():
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     p.add_argument("--offload", choices=["optimizer", "param", "both"], default=None, help="ZeRO offload to CPU")
     p.add_argument("--bucket-size", type=int, default=None, help="ZeRO reduce/allgather bucket, in elements")
+    p.add_argument("--sub-group-size", type=int, default=None,
+                   help="ZeRO-3 optimizer step in tiles of this many elements (default 1e9: the whole partition at once)")
     p.add_argument("--count-comms", action="store_true",
                    help="DeepSpeed's comms_logger counts every collective (synchronises after each: slower on GPUs)")
     p.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher (LOCAL_RANK is used)")
@@ -44,6 +46,8 @@ def ds_config(args, world_size):
     if args.bucket_size:  # the defaults (5e8 elements) are sized for big GPUs
         zero = {"reduce_bucket_size": args.bucket_size, "allgather_bucket_size": args.bucket_size,
                 "stage3_prefetch_bucket_size": args.bucket_size}
+    if args.sub_group_size:  # the step flattens and updates one tile at a time: its temporaries are a tile's
+        zero["sub_group_size"] = args.sub_group_size
     config = build_config(stage=args.stage, dtype="bf16" if args.bf16 else "fp32", micro_batch=args.batch_size,
                             accumulation=args.accumulation, world_size=world_size, lr=args.lr,
                             optimizer="SGD" if args.optimizer == "sgd" else "AdamW", warmup_steps=args.warmup_steps,

@@ -29,7 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 from helpers.calc.mesh import shard_size_problem
 from helpers.rank import harness
 from helpers.rank.devices import rank_device
-from helpers.rank.models import SimpleCNN, count_parameters
+from helpers.rank.models import count_parameters
 from helpers.rank.runtime import end_rank, launched_ranks, log0
 from helpers.rank.state import dir_bytes, memory_now, model_state_bytes
 
@@ -38,7 +38,7 @@ LAUNCH_RULES = {"--shard-size": "divides_world_size"}
 
 
 def parse_args():
-    p = harness.dtype_flag(harness.parser("FSDP2 training of SimpleCNN on CIFAR-10 (launch with torchrun)."))
+    p = harness.model_flags(harness.dtype_flag(harness.parser("FSDP2 training on CIFAR-10 (launch with torchrun).")))
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep gathered parameters from forward to backward (ZeRO-2-like: more memory, fewer gathers)")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction")
@@ -80,7 +80,7 @@ def train(args, rank, world_size, device):
     rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
     dtype = harness.train_dtype(args)  # fp32; fp64 only to measure fp32 rounding (helpers/calc/parity.py)
-    model = SimpleCNN(info.num_classes).to(device, dtype)
+    model = harness.build_model(args, info.num_classes).to(device, dtype)  # SimpleCNN, or --model memory's MLP
     params = count_parameters(model)  # before sharding
     if args.shard_size == world_size:  # 1-D mesh: shard over every rank ("cpu" or "cuda")
         mesh = init_device_mesh(device.type, (world_size,))
@@ -91,7 +91,7 @@ def train(args, rank, world_size, device):
         else MixedPrecisionPolicy()  # default: compute and reduce in the parameters' own dtype (fp32)
     shard = dict(mesh=mesh, reshard_after_forward=not args.no_reshard_after_forward, mp_policy=mp,
                  offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy())
-    for block in (model.conv1, model.conv2, model.fc1, model.fc2):  # the sharding units: one all-gather each
+    for block in [m for m in model.children() if list(m.parameters())]:  # the sharding units: one all-gather each
         fully_shard(block, **shard)
     fully_shard(model, **shard)  # the root: whatever the blocks left over, and the start/end of each step
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)  # built AFTER fully_shard: it sees the shards

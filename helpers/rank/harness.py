@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
 from ..calc.throughput import steady_samples_per_s
+from . import memcap
 from .data import get_datasets
 from .metrics import Reporter
 from .models import SimpleCNN, make_memory_model
@@ -121,6 +122,7 @@ def datasets(args):
     generated data whose numbers are not CIFAR-10 results). Rank 0 finds or downloads the data while the others
     wait (:func:`helpers.rank.data.get_datasets`)."""
     train_ds, test_ds, info = get_datasets(args.dataset, args.data_root, args.train_size, args.test_size, args.seed)
+    memcap.apply_from_env()  # COURSE_MEMORY_CAP_MIB set: cap this rank's memory from here on (helpers/rank/memcap.py)
     log0(info.announcement)
     return train_ds, test_ds, info
 
