@@ -357,3 +357,159 @@ def test_the_reference_ds_config_passes_and_a_lower_stage_gets_its_hint():
     assert write.check_ds_config(solutions.ds_config()), "reference"
     too_low = write.check_ds_config(_ds(2))
     assert not too_low and "Partition more of the model states" in too_low.hint, too_low
+
+
+# --- ZeRO-1 by hand (notebook 04) ------------------------------------------------------------------------------------
+
+ZERO1 = """
+    def zero1_train(model, batches):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        size = -(-numel // world)
+        pad = world * size - numel
+        flat = nn.functional.pad(parameters_to_vector(params).detach(), (0, pad))
+        shard = flat[rank * size:(rank + 1) * size].clone().requires_grad_()
+        optimizer = torch.optim.AdamW([shard], lr=0.01)
+        for x, y in batches:
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            grad = nn.functional.pad(parameters_to_vector([p.grad for p in params]), (0, pad))
+            {reduce}
+            {before}
+            optimizer.step()
+            {gather}
+    """
+ZERO1_RIGHT = dict(reduce="dist.all_reduce(grad); shard.grad = grad[rank * size:(rank + 1) * size] / world",
+                   before="pass",
+                   gather="dist.all_gather_into_tensor(flat, shard.detach()); "
+                          "vector_to_parameters(flat[:numel], params)")
+WRONG_ZERO1 = {
+    "every rank steps the whole model": ("""
+        def zero1_train(model, batches):
+            world = dist.get_world_size()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+            for x, y in batches:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                optimizer.step()
+        """, "Give the optimizer your shard only"),
+    "gradients summed, not averaged": (dict(reduce="dist.all_reduce(grad); "
+                                              "shard.grad = grad[rank * size:(rank + 1) * size]"),
+                                       "divide by the world size"),
+    "no all-gather after the step": (dict(gather="flat[rank * size:(rank + 1) * size] = shard.detach(); "
+                                               "vector_to_parameters(flat[:numel], params)"),
+                                     "all-gather every rank's shard"),
+    "gathered before the step": (dict(before=ZERO1_RIGHT["gather"], gather="pass"), "Step first, then gather"),
+    "the remainder dropped": ("""
+        def zero1_train(model, batches):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            params = list(model.parameters())
+            size = sum(p.numel() for p in params) // world
+            flat = parameters_to_vector(params).detach().clone()
+            shard = flat[rank * size:(rank + 1) * size].clone().requires_grad_()
+            optimizer = torch.optim.AdamW([shard], lr=0.01)
+            for x, y in batches:
+                model.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                grad = parameters_to_vector([p.grad for p in params])
+                dist.all_reduce(grad)
+                shard.grad = grad[rank * size:(rank + 1) * size] / world
+                optimizer.step()
+                dist.all_gather_into_tensor(flat[:world * size], shard.detach())
+                vector_to_parameters(flat, params)
+        """, "rounding down drops the remainder"),
+    "shards of different sizes": ("""
+        def zero1_train(model, batches):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            params = list(model.parameters())
+            flat = parameters_to_vector(params).detach().clone()
+            pieces = list(torch.tensor_split(flat, world))
+            shard = pieces[rank].clone().requires_grad_()
+            optimizer = torch.optim.AdamW([shard], lr=0.01)
+            for x, y in batches:
+                model.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                grad = parameters_to_vector([p.grad for p in params])
+                dist.all_reduce(grad)
+                shard.grad = list(torch.tensor_split(grad, world))[rank] / world
+                optimizer.step()
+                dist.all_gather(pieces, shard.detach())
+                vector_to_parameters(flat, params)
+        """, "pad the flat vector with zeros"),
+    "gathered with an all-reduce": (dict(gather="full = torch.zeros_like(flat); "
+                                              "full[rank * size:(rank + 1) * size] = shard.detach(); "
+                                              "dist.all_reduce(full); flat.copy_(full); "
+                                              "vector_to_parameters(flat[:numel], params)"),
+                                    "Gather with dist.all_gather_into_tensor"),
+}
+
+
+def _zero1(**changes) -> str:
+    return _code(ZERO1).format(**{**ZERO1_RIGHT, **changes})
+
+
+def _zero1_outcome(world=2, numel=5, **runs_changes) -> dict:
+    """A rank's record as the zero_shard task writes it, for a right answer (changed by ``runs_changes``)."""
+    weights = [0.5, 0.25, -0.5, 1.0, 2.0]
+    run = {"weights": weights, "steps": 3, "optimizers": 1, "held": 3, "state_bytes": 28, "sent_per_step": 30.0}
+    runs = {"fp32": {**run, **runs_changes}, "fp64": {**run, **runs_changes}}
+    return {"world_size": world, "numel": numel, "steps": 3, "start": [0.0] * numel, "whole_state_bytes": 56,
+            "ddp_sent_per_step": 20.0, "runs": runs,
+            "reference": {"fp32": weights, "fp64": weights, "summed": [w + 1 for w in weights],
+                          "gather_first": [w - 1 for w in weights]}}
+
+
+def _zero1_verdict(monkeypatch, *outcomes):
+    monkeypatch.setattr(write, "run_on_ranks", lambda *a, **k: (dict(enumerate(outcomes)), None))
+    return write.check_zero1(solutions.zero1_train, nproc=len(outcomes))
+
+
+def test_zero1_verdicts_from_recorded_outcomes(monkeypatch):
+    right = _zero1_outcome()
+    verdict = _zero1_verdict(monkeypatch, right, right)
+    assert verdict and "0.50 of the 56 bytes" in verdict.message and "1.50 x DDP's bytes" in verdict.message, verdict
+    whole = _zero1_outcome(held=5)
+    assert "Give the optimizer your shard only" in _zero1_verdict(monkeypatch, whole, whole).hint
+    other = _zero1_outcome(weights=[0.5, 0.25, -0.5, 1.0, 2.5])
+    assert "all-gather every rank's shard" in _zero1_verdict(monkeypatch, right, other).hint
+    summed = _zero1_outcome(weights=right["reference"]["summed"])
+    assert "divide by the world size" in _zero1_verdict(monkeypatch, summed, summed).hint
+    tail = _zero1_outcome(weights=[0.5, 0.25, -0.5, 1.0, 0.0])
+    verdict = _zero1_verdict(monkeypatch, tail, tail)
+    assert "elements 4 to 4" in verdict.message and "drops the remainder" in verdict.hint, verdict
+    chatty = _zero1_outcome(sent_per_step=40.0)  # 2x DDP's: an all-reduce where an all-gather would do
+    assert "Gather with dist.all_gather_into_tensor" in _zero1_verdict(monkeypatch, chatty, chatty).hint
+    lazy = _zero1_outcome(steps=1)
+    assert "1 optimizer step(s) for 3 batches" in _zero1_verdict(monkeypatch, lazy, lazy).message
+
+
+def test_zero1_outline_is_not_launched_and_its_solution_is_shown_on_request(monkeypatch):
+    monkeypatch.setattr(write, "run_on_ranks", lambda *a, **k: pytest.fail("launched an outline"))
+    verdict = write.check_zero1("def zero1_train(model, batches):\n    # your lines\n    ...\n")
+    assert not verdict and "outline" in verdict.message
+    assert "all_gather_into_tensor" in write.solution("zero1_train")
+
+
+@pytest.mark.slow
+def test_the_reference_zero1_and_its_written_out_twins_pass():
+    verdict = write.check_zero1(solutions.zero1_train, nproc=2)
+    assert verdict and "about 1/2" in verdict.message, verdict
+    assert write.check_zero1(_zero1(), nproc=3)
+    # reduce-scatter instead of all-reduce: each rank receives only its own slice, DDP's bytes in all (1.0x)
+    scatter = _zero1(reduce="shard.grad = torch.empty_like(shard); dist.reduce_scatter_tensor(shard.grad, grad); "
+                            "shard.grad /= world")
+    verdict = write.check_zero1(scatter, nproc=3)
+    assert verdict and "1.01 x DDP's bytes" in verdict.message, verdict
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", list(WRONG_ZERO1))
+def test_each_zero1_mistake_gets_its_hint(mistake):
+    changes, hint = WRONG_ZERO1[mistake]
+    verdict = write.check_zero1(_code(changes) if isinstance(changes, str) else _zero1(**changes), nproc=3)
+    assert not verdict, verdict
+    assert hint in verdict.hint, verdict

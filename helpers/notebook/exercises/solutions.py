@@ -11,9 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config"]
+__all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config",
+           "zero1_train"]
 
 
 def ring_all_reduce(tensor):
@@ -90,3 +92,23 @@ def ds_config():
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},  # torch's AdamW: runs on CPUs
         "zero_optimization": {"stage": 3},
     }
+
+
+def zero1_train(model, batches):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // world)  # ceil: every shard the same length, the last one ends in padding; none is dropped
+    pad = world * size - numel
+    flat = nn.functional.pad(parameters_to_vector(params).detach(), (0, pad))
+    shard = flat[rank * size:(rank + 1) * size].clone().requires_grad_()
+    optimizer = torch.optim.AdamW([shard], lr=0.01)  # Adam's two moments for 1/world of the weights only
+    for x, y in batches:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        grad = nn.functional.pad(parameters_to_vector([p.grad for p in params]), (0, pad))
+        dist.all_reduce(grad)  # the sum over the ranks, as DDP's; divided next: the mean
+        shard.grad = grad[rank * size:(rank + 1) * size] / world
+        optimizer.step()  # this rank's shard only
+        dist.all_gather_into_tensor(flat, shard.detach())  # after the step: every rank's updated shard, in order
+        vector_to_parameters(flat[:numel], params)
