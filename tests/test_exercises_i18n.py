@@ -9,7 +9,6 @@ import re
 import polib
 import pytest
 import torch
-import torch.nn.functional as F
 
 from helpers.notebook import exercises, i18n, translate
 from helpers.notebook.exercises import env, faults, fsdp, practice, write, zero
@@ -85,13 +84,6 @@ def test_translations_use_full_width_punctuation_and_no_english_sentences(catalo
 SIZES = {"conv1": 300, "conv2": 300, "fc1": 500, "fc2": 100}
 
 
-def _summed_step(model, optimizer, micro_batches):  # forgets to scale the micro losses
-    optimizer.zero_grad()
-    for x, y in micro_batches:
-        F.cross_entropy(model(x), y).backward()
-    optimizer.step()
-
-
 # (checker call, its English text exactly as the English notebooks and tests show it); every module has a case
 CASES = {
     "global_batch right": (
@@ -165,11 +157,6 @@ CASES = {
     "warmup right": (
         lambda: practice.check_warmup_lr(0.0, step=1, lr=1e-3, warmup_steps=10),
         "Correct: DeepSpeed's step 1 runs at 0 (WarmupLR counts from the step after it is built)."),
-    "accumulation wrong": (
-        lambda: practice.check_accumulation_step(_summed_step),
-        "Not yet: the accumulated gradient is 4.0x the big batch's mean gradient.\nHint: backward() adds into .grad, "
-        "so the micro gradients are summed: what must each micro loss be scaled by for the sum to be the mean over "
-        "the whole batch?"),
     "smallest right": (
         lambda: zero.check_smallest_stage(None, params=1e12, world_size=8, budget_gib=80),
         "Correct: no stage fits: even ZeRO-3 needs more than the budget without offload."),

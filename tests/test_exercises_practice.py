@@ -1,17 +1,15 @@
 """helpers.notebook.exercises.practice and .faults (notebooks 05 and 06): right answers pass, each kind of wrong answer gets its
 own hint, nothing raises, and no hint gives the answer away."""
-import contextlib
 import doctest
 import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from helpers.notebook.exercises import Verdict, faults, practice
 from helpers.notebook.exercises.faults import check_atomic_save, check_resume_point
-from helpers.notebook.exercises.practice import check_accumulation_step, check_warmup_lr
+from helpers.notebook.exercises.practice import check_warmup_lr
 from helpers.rank.checkpoint import save_atomic
 
 GARBAGE = ["twelve", None, [1, 2, 3], {"a": 1}, object(), float("nan"), True]
@@ -20,143 +18,6 @@ GARBAGE = ["twelve", None, [1, 2, 3], {"a": 1}, object(), float("nan"), True]
 def test_docstring_examples_hold():
     results = [doctest.testmod(m, optionflags=doctest.ELLIPSIS) for m in (practice, faults)]
     assert sum(r.attempted for r in results) >= 4 and sum(r.failed for r in results) == 0
-
-
-# --- check_accumulation_step -------------------------------------------------------------------------------------
-
-
-def right_step(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    optimizer.zero_grad(set_to_none=True)
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == n - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            loss = F.cross_entropy(model(x), y) / n
-            loss.backward()
-    optimizer.step()
-
-
-def right_step_if_else(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    optimizer.zero_grad()
-    for x, y in micro_batches[:-1]:
-        with model.no_sync():
-            (F.cross_entropy(model(x), y) / n).backward()
-    x, y = micro_batches[-1]
-    (F.cross_entropy(model(x), y) / n).backward()
-    optimizer.step()
-
-
-def no_sync_missing(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    optimizer.zero_grad()
-    for x, y in micro_batches:
-        (F.cross_entropy(model(x), y) / n).backward()
-    optimizer.step()
-
-
-def not_divided(model, optimizer, micro_batches):
-    optimizer.zero_grad()
-    for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == len(micro_batches) - 1 else model.no_sync():
-            F.cross_entropy(model(x), y).backward()
-    optimizer.step()
-
-
-def both_bugs(model, optimizer, micro_batches):
-    optimizer.zero_grad()
-    for x, y in micro_batches:
-        F.cross_entropy(model(x), y).backward()
-    optimizer.step()
-
-
-def all_in_no_sync(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    optimizer.zero_grad()
-    with model.no_sync():
-        for x, y in micro_batches:
-            (F.cross_entropy(model(x), y) / n).backward()
-    optimizer.step()
-
-
-def sync_first(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    optimizer.zero_grad()
-    for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == 0 else model.no_sync():
-            (F.cross_entropy(model(x), y) / n).backward()
-    optimizer.step()
-
-
-def step_every_micro(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    for x, y in micro_batches:
-        optimizer.zero_grad()
-        (F.cross_entropy(model(x), y) / n).backward()
-        optimizer.step()
-
-
-def zero_inside(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        optimizer.zero_grad()
-        with contextlib.nullcontext() if i == n - 1 else model.no_sync():
-            (F.cross_entropy(model(x), y) / n).backward()
-    optimizer.step()
-
-
-def no_step(model, optimizer, micro_batches):
-    for x, y in micro_batches:
-        F.cross_entropy(model(x), y).backward()
-
-
-def divided_twice(model, optimizer, micro_batches):
-    n = len(micro_batches)
-    optimizer.zero_grad()
-    for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == n - 1 else model.no_sync():
-            (F.cross_entropy(model(x), y) / n / n).backward()
-    optimizer.step()
-
-
-def raises(model, optimizer, micro_batches):
-    raise ValueError("oops")
-
-
-@pytest.mark.parametrize("fn", [right_step, right_step_if_else])
-def test_accumulation_right_answers_pass(fn):
-    v = check_accumulation_step(fn)
-    assert v.ok, v
-
-
-@pytest.mark.parametrize("fn, message, hint", [
-    (no_sync_missing, "all 4 backward passes all-reduce", "context manager"),
-    (not_divided, "4.0x the big batch's", "scaled by"),
-    (both_bugs, "4.0x the big batch's", "scaled by"),  # correctness first: the scale, then the communication
-    (all_in_no_sync, "no backward pass all-reduces", "drift apart"),
-    (sync_first, "not the last one", "must be the last"),
-    (step_every_micro, "ran 4 times", "step once"),
-    (zero_inside, "zeroed between micro batches", "zero once"),
-    (no_step, "never ran", "step once"),
-    (divided_twice, "1/4 of the big batch's", "scaled twice"),
-    (raises, "raised ValueError: oops", "read the error"),
-])
-def test_accumulation_each_mistake_gets_its_own_hint(fn, message, hint):
-    v = check_accumulation_step(fn)
-    assert not v.ok and message in v.message and hint in v.hint, v
-
-
-@pytest.mark.parametrize("answer", GARBAGE)
-def test_accumulation_garbage_gets_a_message(answer):
-    v = check_accumulation_step(answer)
-    assert isinstance(v, Verdict) and not v.ok and v.message
-
-
-def test_accumulation_hints_never_show_the_fix():
-    for fn in (no_sync_missing, not_divided, both_bugs, all_in_no_sync):
-        v = check_accumulation_step(fn)
-        assert "no_sync()" not in v.hint or "outside" in v.hint  # names the idea, not the line to write
-        assert "/ n" not in str(v) and "/ len(" not in str(v)
 
 
 # --- check_warmup_lr -----------------------------------------------------------------------------------------------

@@ -25,3 +25,13 @@ def test_a_cell_over_the_limit_is_named_and_the_parameters_cell_is_not_counted()
 def test_exactly_the_limit_is_allowed():
     cell = nbformat.v4.new_code_cell("\n".join(f"x{i} = {i}" for i in range(lesson_stats.MAX_CELL_LINES)))
     assert lesson_stats.long_cells(_nb(cell)) == []
+
+
+def test_a_write_the_code_cell_has_the_longer_limit():
+    body = "\n".join(f"x{i} = {i}" for i in range(lesson_stats.MAX_CELL_LINES + 1))
+    cell = nbformat.v4.new_code_cell(body)
+    assert lesson_stats.long_cells(_nb(cell)) == [(cell.id, lesson_stats.MAX_CELL_LINES + 1)]
+    cell.metadata["tags"] = ["exercise-write"]
+    assert lesson_stats.long_cells(_nb(cell)) == []
+    cell.source = "\n".join(f"x{i} = {i}" for i in range(lesson_stats.MAX_EXERCISE_LINES + 1))
+    assert lesson_stats.long_cells(_nb(cell)) == [(cell.id, lesson_stats.MAX_EXERCISE_LINES + 1)]

@@ -113,3 +113,12 @@ def test_strip_volatile_keeps_a_widgets_text_and_drops_its_model():
     assert "widgets" not in nb.metadata and "papermill" not in nb.metadata
     assert nb.cells[0].outputs[0]["data"] == {"text/plain": "ConfigBuilder(stage=2)"}
     assert nb.cells[0].metadata == {}
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_every_lesson_cell_is_short(chapter):
+    # a cell a learner reads is a launch, a table, a plot or a snippet; claim logic lives in helpers/notebook/lessons
+    from helpers.notebook.lesson_stats import MAX_CELL_LINES, MAX_EXERCISE_LINES, long_cells
+
+    assert long_cells(_load(chapter)) == [], \
+        f"code cells over {MAX_CELL_LINES} non-blank lines ({MAX_EXERCISE_LINES} for exercise-write): move their logic into the chapter's lesson module"

@@ -101,41 +101,61 @@ def memory_by_stage(rows: list[dict], title: str | None = None):
     return fig
 
 
-def comparison(rows: list[dict], title: str | None = None):
-    """Four panels for runs of the same model and data (rows of :func:`helpers.notebook.results.summary`): memory per rank
-    (model states measured and peak process or GPU memory), samples/s, bytes sent per step, checkpoint size."""
+def comparison(rows: list[dict], title: str | None = None, speed: dict | None = None):
+    """Four panels for runs of the same model and data (rows of :func:`helpers.notebook.results.summary`): memory per
+    rank (model states measured and peak process or GPU memory), samples/s, bytes sent per step, checkpoint size.
+
+    ``speed``: ``{label: {"median", "min", "max", "windows"}}`` (:func:`helpers.notebook.lessons.comparison.speeds`):
+    the samples/s bars are the medians with the min-max as an error bar, and a row without an entry says "not timed"
+    instead of showing a zero. Without it, each row's own ``samples_per_s``."""
     plt = _plt()
     labels = [r["label"] for r in rows]
     x = list(range(len(rows)))
     gpu = all(r.get("cuda_peak_mib") is not None for r in rows)
-    peak_key, peak_name = ("cuda_peak_mib", "peak GPU memory") if gpu else ("max_rss_mib", "max RSS")
+    peak_key, peak_name = ("cuda_peak_mib", "peak GPU memory") if gpu else ("max_rss_mib", "max RSS (process)")
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.4))
-    mem = axes[0][0]
+    mem, rate, comm, ckpt = axes[0][0], axes[0][1], axes[1][0], axes[1][1]
     width = 0.38
-    states = [r["model_states_mib"] for r in rows]
-    peaks = [r[peak_key] for r in rows]
-    mem.bar([i - width / 2 for i in x], states, width, label="model states (measured)", color="tab:green")
-    mem.bar([i + width / 2 for i in x], peaks, width, label=peak_name, color="tab:gray")
-    mem.set_ylabel("MiB per rank (rank 0)")
-    mem.set_title("memory per rank")
-    mem.legend(fontsize=8)
-    panels = ((axes[0][1], "samples_per_s", "samples/s (all ranks)", "throughput", "tab:blue"),
-              (axes[1][0], "comm_mib_per_step", "MiB sent per step per rank", "communication", "tab:purple"),
-              (axes[1][1], "checkpoint_mib", "MiB on disk", "checkpoint size", "tab:orange"))
-    for ax, key, ylabel, name, color in panels:
+    for shift, key, name, color in ((-width / 2, "model_states_mib", "model states (measured)", "tab:green"),
+                                    (width / 2, peak_key, peak_name, "tab:gray")):
+        values = [r[key] for r in rows]
+        mem.bar([i + shift for i in x], values, width, label=name, color=color)
+        for i, v in enumerate(values):
+            mem.annotate(f"{v:.0f}", (i + shift, v), ha="center", va="bottom", fontsize=7)
+    mem.set(title="memory per rank (rank 0)", ylabel="MiB")
+    mem.legend(fontsize=8, loc="upper left", ncol=2, frameon=False)
+    if speed is None:
+        speed = {r["label"]: {"median": r["samples_per_s"], "min": r["samples_per_s"], "max": r["samples_per_s"]}
+                 for r in rows if r.get("samples_per_s")}
+    timed = [i for i, l in enumerate(labels) if l in speed]
+    med = [speed[labels[i]]["median"] for i in timed]
+    err = [[m - speed[labels[i]]["min"] for i, m in zip(timed, med)],
+           [speed[labels[i]]["max"] - m for i, m in zip(timed, med)]]
+    rate.bar(timed, med, color="tab:blue", yerr=err, capsize=4)
+    windows = {len(s.get("windows", ())) for s in speed.values()}
+    rate.set(title="throughput: median, min-max" + (f" of {windows.pop()} windows" if len(windows) == 1 else ""),
+             ylabel="samples/s (all ranks)")
+    for i, m in zip(timed, med):
+        rate.annotate(f"{m:.0f}", (i, speed[labels[i]]["max"]), ha="center", va="bottom", fontsize=8)
+    for i in (i for i in x if i not in timed):
+        rate.annotate("not\ntimed", (i, 0), ha="center", va="bottom", fontsize=8, color="dimgray")
+    for ax, key, name, ylabel, color in ((comm, "comm_mib_per_step", "communication", "MiB sent per step per rank",
+                                          "tab:purple"),
+                                         (ckpt, "checkpoint_mib", "checkpoint size", "MiB on disk", "tab:orange")):
         values = [r.get(key) or 0.0 for r in rows]
         ax.bar(x, values, color=color)
-        ax.set_ylabel(ylabel)
-        ax.set_title(name)
+        ax.set(title=name, ylabel=ylabel)
         for i, v in enumerate(values):
             ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
-    for i, (s, p) in enumerate(zip(states, peaks)):
-        mem.annotate(f"{s:.0f}", (i - width / 2, s), ha="center", va="bottom", fontsize=8)
-        mem.annotate(f"{p:.0f}", (i + width / 2, p), ha="center", va="bottom", fontsize=8)
-    for ax in (a for row in axes for a in row):
+        if not any(values):  # one rank: nothing to send; say so rather than leave an empty panel
+            ax.text(0.5, 0.5, "nothing sent: one rank", transform=ax.transAxes, ha="center", color="dimgray")
+            ax.set_yticks([])
+    for ax in (mem, rate, comm, ckpt):
         ax.set_xticks(x)
-        ax.set_xticklabels(labels, rotation=20, fontsize=8)
+        ax.set_xticklabels(labels, rotation=15, fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
+        top = ax.get_ylim()[1]
+        ax.set_ylim(0, top * (1.3 if ax is mem else 1.12))  # head room for the value labels (and the legend)
     fig.suptitle(title or "same model, data, global batch, seed and steps")
     fig.tight_layout()
     return fig
