@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from helpers.notebook.exercises import ranks, solutions, write
+from helpers.notebook.exercises import ranks, solutions, write, write_zero
 
 
 def _code(text: str) -> str:
@@ -464,7 +464,7 @@ def _zero1_outcome(world=2, numel=5, **runs_changes) -> dict:
 
 
 def _zero1_verdict(monkeypatch, *outcomes):
-    monkeypatch.setattr(write, "run_on_ranks", lambda *a, **k: (dict(enumerate(outcomes)), None))
+    monkeypatch.setattr(write_zero, "run_on_ranks", lambda *a, **k: (dict(enumerate(outcomes)), None))
     return write.check_zero1(solutions.zero1_train, nproc=len(outcomes))
 
 
@@ -488,7 +488,7 @@ def test_zero1_verdicts_from_recorded_outcomes(monkeypatch):
 
 
 def test_zero1_outline_is_not_launched_and_its_solution_is_shown_on_request(monkeypatch):
-    monkeypatch.setattr(write, "run_on_ranks", lambda *a, **k: pytest.fail("launched an outline"))
+    monkeypatch.setattr(write_zero, "run_on_ranks", lambda *a, **k: pytest.fail("launched an outline"))
     verdict = write.check_zero1("def zero1_train(model, batches):\n    # your lines\n    ...\n")
     assert not verdict and "outline" in verdict.message
     assert "all_gather_into_tensor" in write.solution("zero1_train")
