@@ -16,6 +16,7 @@ median seconds and the spread (min, max) of each.
 """
 import argparse
 import contextlib
+import copy
 import gc
 import time
 
@@ -47,14 +48,16 @@ def gradient(ddp, counter, images, labels, micro_batches, use_no_sync):
     """The averaged gradient after N micro batches (N=1: one big batch), plus the all-reduces it took."""
     for p in ddp.parameters():
         p.grad = None
-    counter.reset()
+    if counter is not None:
+        counter.reset()
     start = time.perf_counter()
     for i, (x, y) in enumerate(zip(images.chunk(micro_batches), labels.chunk(micro_batches))):
         last = i == micro_batches - 1
         with ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext():
             (F.cross_entropy(ddp(x), y) / micro_batches).backward()
     grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
-    return grads, dict(counter.counts["all_reduce"], seconds=time.perf_counter() - start)
+    counts = counter.counts["all_reduce"] if counter is not None else {}
+    return grads, dict(counts, seconds=time.perf_counter() - start)
 
 
 @record
@@ -83,6 +86,9 @@ def main():
         times = sorted(times)
         comm[way].update(seconds=times[len(times) // 2], seconds_min=times[0], seconds_max=times[-1])
     big, no_sync, every = grads["big batch"], grads["no_sync"], grads["every step"]
+    # the same big batch in fp64: how far fp32 rounding alone moves this gradient (the floor the checks scale)
+    ddp64 = DDP(copy.deepcopy(ddp.module).double())
+    big64, _ = gradient(ddp64, None, images.double(), labels, 1, False)
     big_comm, no_sync_comm, every_comm = comm["big batch"], comm["no_sync"], comm["every step"]
 
     scale = big.abs().max().item()
@@ -90,11 +96,12 @@ def main():
                params=big.numel(), grad_max_abs=scale,
                no_sync_max_abs_diff=(no_sync - big).abs().max().item(),
                every_step_max_abs_diff=(every - big).abs().max().item(),
+               fp32_floor=(big.double() - big64).abs().max().item(),
                repeats=max(1, args.repeats), comm=comm)
     log0(f"{n} micro batches of {b} vs one batch of {n * b} per rank, {world_size} ranks: max |grad difference| "
          f"{(no_sync - big).abs().max().item():.2e} (largest gradient {scale:.2e}); all-reduce calls "
          f"big batch {big_comm['calls']}, no_sync {no_sync_comm['calls']}, every step {every_comm['calls']}")
-    del ddp
+    del ddp, ddp64
     gc.collect()  # free DDP (and the Python comm hook its reducer holds) while the interpreter is fully alive
     dist.destroy_process_group()
 

@@ -34,11 +34,15 @@ def parse_args():
     # the flags both twins share come from helpers/rank/harness.py; only what differs is added here
     p = harness.tuning_flags(harness.parser("DDP training with clipping, warmup, bf16, accumulation, compile.",
                                             steps=20, test_size=100))
+    harness.dtype_flag(p)  # fp64: only to measure the noise floor of fp32 rounding (helpers/calc/parity.py)
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     p.add_argument("--no-count-comms", action="store_true",
                    help="leave out the counting comm hook (DDP's built-in all-reduce): for timing runs that compare "
                         "like with like against uncounted DeepSpeed runs")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.bf16 and args.dtype != "fp32":
+        p.error("--bf16 autocasts an fp32 model; it does not combine with --dtype fp64")
+    return args
 
 
 @record
@@ -61,7 +65,8 @@ def train(args, rank, local_rank, world_size, device):
     data = harness.batches(DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler), sampler)  # set_epoch
     rss_start = memory_now(device)["rss_mib"]  # before the model exists: the framework's own share
 
-    model = harness.build_model(args, info.num_classes)
+    dtype = harness.train_dtype(args)
+    model = harness.build_model(args, info.num_classes).to(dtype)
     params = count_parameters(model)
     # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buckets, one copy instead of two
     ddp = DDP(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None,
@@ -86,7 +91,8 @@ def train(args, rank, local_rank, world_size, device):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in range(args.accumulation):
-            images, labels = (t.to(device) for t in next(data))
+            images, labels = next(data)
+            images, labels = images.to(device, dtype), labels.to(device)
             # no_sync(): on all but the last micro batch, skip the all-reduce and let gradients add up locally;
             # the last backward all-reduces the sum once per optimizer step
             last = micro == args.accumulation - 1
@@ -112,7 +118,7 @@ def train(args, rank, local_rank, world_size, device):
             checkpoint_bytes = dir_bytes(args.save_dir)
         dist.barrier()
     meter.rep.result(model_state_bytes=states, comm_per_step=meter.comm_per_step())  # every rank: its own
-    meter.report(framework="ddp", dtype="bf16-autocast" if args.bf16 else "fp32", params=params,
+    meter.report(framework="ddp", dtype="bf16-autocast" if args.bf16 else args.dtype, params=params,
                  global_batch=global_batch, rss_start_mib=rss_start, checkpoint_bytes=checkpoint_bytes,
                  compiled=args.compile)
 

@@ -73,11 +73,15 @@ def test_clipping_claims_say_true_for_the_lesson_and_false_without_it(capsys):
     plain = _run({"loss": [2.3] * 5 + [6.0] + [2.3] * 14, "grad_norm": [1.4] * 20})
     clipped = _run({"loss": [2.3] * 10 + [0.5] * 10, "grad_norm": [1.4] * 20})
     clipped_ds = _run({"loss": [2.3] * 10 + [0.6] * 10, "grad_norm": [1.4002] * 20})
-    tuning.claim_clipping(plain, clipped, clipped_ds)
+    clipped64 = _run({"loss": [2.3] * 5, "grad_norm": [1.4001] * 5})  # the fp32 floor: 1e-4
+    tuning.claim_clipping(plain, clipped, clipped_ds, clipped64)  # 2e-4 apart: 2 floors
     assert _verdicts(capsys) == [True] * 6
     diverged_ds = _run({"loss": [2.3] * 20, "grad_norm": [1.6] * 20})
-    tuning.claim_clipping(clipped, clipped, diverged_ds)  # "plain" learns; DeepSpeed neither learns nor matches
+    tuning.claim_clipping(clipped, clipped, diverged_ds, clipped64)  # "plain" learns; DeepSpeed neither learns nor matches
     assert _verdicts(capsys) == [False, False, True, False, True, False]
+    tight64 = _run({"loss": [2.3] * 5, "grad_norm": [1.4 + 1e-6] * 5})  # a floor of 1e-6: 2e-4 is 200 floors
+    tuning.claim_clipping(plain, clipped, clipped_ds, tight64)
+    assert _verdicts(capsys) == [True] * 5 + [False]
 
 
 def test_warmup_claims_fail_when_the_warmup_run_spikes_early(capsys):
@@ -130,10 +134,10 @@ def test_ddp_buckets_of_simplecnn_are_two_with_a_1_mib_first_bucket():
     assert len(buckets) == 2 and names[buckets[0][-1]] == "fc1.weight"
 
 
-def _check(calls=2, every_calls=8, no_sync_s=0.14, every_s=0.16, diff=1e-9):
+def _check(calls=2, every_calls=8, no_sync_s=0.14, every_s=0.16, diff=1e-9, floor=1e-9):
     way = lambda c, s: {"calls": c, "bytes": c * 2**20, "seconds": s, "seconds_min": s, "seconds_max": s}  # noqa
     r = {"micro_batches": 4, "micro_batch": 16, "global_batch": 128, "grad_max_abs": 0.04, "repeats": 3,
-         "no_sync_max_abs_diff": diff, "every_step_max_abs_diff": diff,
+         "no_sync_max_abs_diff": diff, "every_step_max_abs_diff": diff, "fp32_floor": floor,
          "comm": {"big batch": way(2, 0.13), "no_sync": way(calls, no_sync_s), "every step": way(every_calls, every_s)}}
     return FakeRun(result=r, by_rank={0: r, 1: r})
 
@@ -145,13 +149,20 @@ def test_accumulation_claims_true_for_no_sync_and_false_for_a_step_that_all_redu
     assert _verdicts(capsys) == [False, False, False, True, True, False]
     tuning.claim_accumulation(_check(no_sync_s=0.2), nproc=1)  # one rank: no speed claim
     assert len(_verdicts(capsys)) == 5
+    tuning.claim_accumulation(_check(diff=1e-6, floor=1e-10), nproc=2)  # ~200 floors (the floor is at least
+    # one fp32 unit of the largest gradient, 4.8e-9 here): not the same gradient
+    assert _verdicts(capsys)[:2] == [False, False]
 
 
 def test_compile_claims_true_for_a_slow_first_step_and_false_for_other_losses(capsys):
     eager = _run({"loss": [2.3 - 0.01 * k for k in range(20)], "step_s": [0.1] * 20})
-    compiled = _run({"loss": [2.3 - 0.01 * k for k in range(20)], "step_s": [5.0] + [0.12] * 19})
-    tuning.claim_compile(eager, compiled)
+    compiled = _run({"loss": [2.3 - 0.01 * k + 1e-7 for k in range(20)], "step_s": [5.0] + [0.12] * 19})
+    eager64 = _run({"loss": [2.3 - 0.01 * k + 1e-7 for k in range(10)], "step_s": [0.2] * 10})  # floor 1e-7
+    tuning.claim_compile(eager, compiled, eager64)
     assert _verdicts(capsys) == [True, True, True]
     other = _run({"loss": [2.3] * 20, "step_s": [0.5] + [0.12] * 5 + [0.9] + [0.12] * 13})
-    tuning.claim_compile(eager, other)
+    tuning.claim_compile(eager, other, eager64)
     assert _verdicts(capsys) == [False, False, False]
+    drifted = _run({"loss": [2.3 - 0.01 * k + 1e-5 for k in range(20)], "step_s": [5.0] + [0.12] * 19})
+    tuning.claim_compile(eager, drifted, eager64)  # 100 floors away
+    assert _verdicts(capsys) == [False, True, True]
