@@ -44,7 +44,7 @@ slow: setup            ## the tests beyond the fast tier: real multi-process lau
 nbtest: setup
 	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks/[0-9]*.ipynb -q -p no:cacheprovider
 
-# Not part of `make test` or CI (about 1.5 hours on a 2-core CPU): every notebook at NPROC 1, 2, 3, and 4 for the
+# Not part of `make test` or CI (about 35 minutes on a 2-core CPU): every notebook at NPROC 1, 2, 3, and 4 for the
 # sharding chapters (the counts live in helpers/notebook/matrix.py), into build/matrix/<nproc>/.
 # Narrowed: make matrix NOTEBOOKS="01 02" NPROCS="1 3"
 matrix: setup          ## every notebook at several rank counts: checks True/total, False and missing ones, seconds
