@@ -1,25 +1,18 @@
 """Notebook 02's lesson module: each claim it prints says True for the runs the notebook expects and False for runs
 that break the claim (fake runs, nothing launched)."""
 import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from helpers.notebook import checks
 from helpers.notebook.lessons import ddp as lesson
 from helpers.rank.models import SimpleCNN
 
 
 def _verdicts(capsys) -> dict[str, bool]:
-    out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("[check] ")]
-    parsed = {}
-    for line in lines:
-        text = line[len("[check] "):].split("   (measured")[0]
-        claim, verdict = text.rsplit(": ", 1)
-        parsed[claim] = verdict == "True"
-    return parsed
+    return dict(checks.parse(capsys.readouterr().out))
 
 
 def _step(rank, step, loss, step_s=0.1):

@@ -1,6 +1,5 @@
 """helpers.notebook.lessons.faults (notebook 06): each claim says True on the runs the lesson describes and False on
 runs that break it, and the log readers find what they print (or refuse logs that lack it)."""
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +12,7 @@ from helpers.rank import checkpoint
 
 
 def verdicts(capsys) -> dict[str, bool]:
-    return {m["claim"]: m["verdict"] == "True" for m in map(checks.LINE.match, capsys.readouterr().out.splitlines())
-            if m}
+    return dict(checks.parse(capsys.readouterr().out))
 
 
 # --- plan, tidy -------------------------------------------------------------------------------------------------------

@@ -6,19 +6,14 @@ import pytest
 import torch
 
 from helpers.calc import memory
-from helpers.notebook.checks import LINE
+from helpers.notebook import checks
 from helpers.notebook.lessons import fsdp2 as lesson
 from helpers.rank import models
 
 
 def verdicts(capsys) -> dict[str, bool]:
     """The claim lines printed since the last call: {claim: verdict}."""
-    out = {}
-    for line in capsys.readouterr().out.splitlines():
-        m = LINE.match(line)
-        if m:
-            out[m["claim"]] = m["verdict"] == "True"
-    return out
+    return dict(checks.parse(capsys.readouterr().out))
 
 
 class FakeRun:

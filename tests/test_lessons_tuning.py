@@ -1,9 +1,9 @@
 """helpers.notebook.lessons.tuning (notebook 05): each section's claim lines say True for runs that show the lesson
 and False for runs that do not, and the timing and bucket helpers compute what they say."""
-import re
 
 import pytest
 
+from helpers.notebook import checks
 from helpers.notebook.lessons import tuning
 from helpers.rank.models import SimpleCNN
 
@@ -29,9 +29,7 @@ def _run(field_values: dict, nproc=1, **result):
 
 
 def _verdicts(capsys) -> list[bool]:
-    out = capsys.readouterr().out
-    return [re.search(r": (True|False)(   \(measured: .*\))?$", line).group(1) == "True"
-            for line in out.splitlines() if line.startswith("[check]")]
+    return [verdict for _, verdict in checks.parse(capsys.readouterr().out)]
 
 
 def test_flags_refuse_too_few_steps_for_the_warmup_comparison():

@@ -46,20 +46,15 @@ class Tally:
         return f"{self.passed}/{self.total}"
 
 
+def parse(text: str) -> list[tuple[str, bool]]:
+    """(claim, verdict) of every check line in ``text``, in order (what a cell printed; tests read it from capsys)."""
+    return [(m["claim"], m["verdict"] == "True") for m in map(LINE.match, text.splitlines()) if m]
+
+
 def check_lines(nb) -> list[tuple[str, bool]]:
     """(claim, verdict) of every check line in the stream outputs of a notebook (an ``nbformat`` node)."""
-    found = []
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        for out in cell.get("outputs", []):
-            if out.get("output_type") != "stream":
-                continue
-            for line in "".join(out.get("text", "")).splitlines():
-                m = LINE.match(line)
-                if m:
-                    found.append((m["claim"], m["verdict"] == "True"))
-    return found
+    return [found for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream" for found in parse("".join(out.get("text", "")))]
 
 
 def tally(nb) -> Tally:
