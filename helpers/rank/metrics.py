@@ -101,6 +101,10 @@ class TrainResult(TypedDict, total=False):
     reshard_after_forward: bool  # FSDP2: gathered parameters freed after forward (ZeRO-3-like) or kept (ZeRO-2-like)
     exported: str             # FSDP2: path of the plain state_dict file converted from the DCP checkpoint
     shard_size: int           # FSDP2: ranks each copy is sharded over (= world_size, or fewer with HSDP replicas)
+    test_loss: float          # GPT: mean next-character cross-entropy on held-out text, nats per character
+    unigram_loss: float       # GPT: the baseline: cross-entropy of the training text's character frequencies (nats)
+    vocab_size: int           # GPT: distinct characters (tokens) of the text
+    gpt: dict                 # GPT: the model's shape, helpers.rank.gpt.GPTConfig.as_dict()
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
