@@ -181,49 +181,75 @@ def _check_script_flags(arg_list: list[str]) -> None:
                               f"(e.g. --num-samples instead of --n).", reason="invalid")
 
 
-def _flag_value(arg_list: list[str], flag: str) -> str | None:
-    """The value given to ``flag`` (``--flag V`` or ``--flag=V``; the last one wins, as argparse does), else None."""
-    value = None
-    for i, a in enumerate(arg_list):
-        if a == flag and i + 1 < len(arg_list):
-            value = arg_list[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def _launch_rules(script_path: Path) -> dict[str, str]:
-    """The script's ``LAUNCH_RULES`` (flag -> rule name), read from its source without importing or running it; {}
-    when it declares none. A declaration that is not a literal dict of flag -> known rule name is refused."""
+def _module_literal(script_path: Path, name: str):
+    """The node assigned to ``name`` at the script's module level (the last assignment wins, as it would when the
+    script runs), or None; None too when the script does not parse (the ranks will report that themselves)."""
     try:
         tree = ast.parse(script_path.read_text(), filename=str(script_path))
     except (SyntaxError, UnicodeDecodeError, ValueError):
-        return {}  # not this check's business: the ranks will report it with the interpreter's own message
+        return None
     node = None
-    for stmt in tree.body:  # module level only; the last assignment wins, as it would when the script runs
+    for stmt in tree.body:
         if isinstance(stmt, ast.Assign):
             targets = stmt.targets
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             targets = [stmt.target]
         else:
             continue
-        if any(isinstance(t, ast.Name) and t.id == "LAUNCH_RULES" for t in targets):
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             node = stmt.value
+    return node
+
+
+def _flag_dict(script_path: Path, name: str, example: str, what: str) -> tuple[dict[str, str], int]:
+    """The script's literal dict ``name`` of flag -> string, and its line; ({}, 0) when it declares none."""
+    node = _module_literal(script_path, name)
     if node is None:
-        return {}
-    example = "LAUNCH_RULES = {'--shard-size': 'divides_world_size'}"
+        return {}, 0
     try:
-        rules = ast.literal_eval(node)
+        value = ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        rules = None
-    if not isinstance(rules, dict) or not all(isinstance(k, str) and k.startswith("-") and isinstance(v, str)
-                                              for k, v in rules.items()):
-        raise LaunchError(f"{script_path.name} line {node.lineno}: LAUNCH_RULES must be a literal dict of flag -> "
-                          f"rule name, such as {example}", reason="invalid")
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.startswith("-") and isinstance(v, str)
+                                              for k, v in value.items()):
+        raise LaunchError(f"{script_path.name} line {node.lineno}: {name} must be a literal dict of flag -> "
+                          f"{what}, such as {example}", reason="invalid")
+    return value, node.lineno
+
+
+def _launch_defaults(script_path: Path) -> dict[str, str]:
+    """The script's ``LAUNCH_DEFAULTS`` (flag -> its default, a string), read like ``LAUNCH_RULES``: the values a
+    rule checks when the command line does not give the flag."""
+    return _flag_dict(script_path, "LAUNCH_DEFAULTS", "LAUNCH_DEFAULTS = {'--n-head': '12'}", "default string")[0]
+
+
+def _given_flags(arg_list: list[str]) -> dict[str, str]:
+    """Every ``--flag`` of the command line with its value (``--flag V`` or ``--flag=V``, the last one wins, as
+    argparse does; a switch followed by another flag, or last, maps to ``""``)."""
+    given = {}
+    for i, a in enumerate(arg_list):
+        if not a.startswith("--"):
+            continue
+        if "=" in a:
+            flag, value = a.split("=", 1)
+        else:
+            nxt = arg_list[i + 1] if i + 1 < len(arg_list) else None
+            flag, value = a, ("" if nxt is None or nxt.startswith("--") else nxt)
+        given[flag] = value
+    return given
+
+
+def _launch_rules(script_path: Path) -> dict[str, str]:
+    """The script's ``LAUNCH_RULES`` (flag -> rule name), read from its source without importing or running it; {}
+    when it declares none. A declaration that is not a literal dict of flag -> known rule name is refused."""
+    example = "LAUNCH_RULES = {'--shard-size': 'divides_world_size'}"
+    rules, lineno = _flag_dict(script_path, "LAUNCH_RULES", example, "rule name")
+    if not rules:
+        return {}
     unknown = {flag: rule for flag, rule in rules.items() if rule not in mesh.RULES}
     if unknown:
         flag, rule = next(iter(unknown.items()))
-        raise LaunchError(f"{script_path.name} line {node.lineno}: LAUNCH_RULES gives {flag} the rule {rule!r}, "
+        raise LaunchError(f"{script_path.name} line {lineno}: LAUNCH_RULES gives {flag} the rule {rule!r}, "
                           f"which is not one of helpers.calc.mesh.RULES ({', '.join(sorted(mesh.RULES))})",
                           reason="invalid")
     return rules
@@ -231,14 +257,15 @@ def _launch_rules(script_path: Path) -> dict[str, str]:
 
 def _check_script_rules(script_path: Path, arg_list: list[str], world_size: int) -> None:
     """Mistakes in a script's own arguments that are visible before anything starts, by the rules the script
-    declares (``LAUNCH_RULES``); the script applies the same rules inside each rank when started from a terminal."""
-    for flag, rule in _launch_rules(script_path).items():
-        value = _flag_value(arg_list, flag)
-        if value is None:
-            continue
-        problem = mesh.RULES[rule](flag, value, world_size)
-        if problem:
-            raise LaunchError(problem, reason="invalid")
+    declares (``LAUNCH_RULES``, with ``LAUNCH_DEFAULTS`` for flags not given); the script applies the same rules
+    inside each rank when started from a terminal (:func:`helpers.calc.mesh.script_problem`)."""
+    rules = _launch_rules(script_path)
+    if not rules:
+        return
+    flags = {**_launch_defaults(script_path), **_given_flags(arg_list)}
+    problem = mesh.script_problem(rules, flags, world_size)
+    if problem:
+        raise LaunchError(problem, reason="invalid")
 
 
 def _check_env(env) -> dict[str, str]:

@@ -143,7 +143,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.cfg.checkpoint == "full" else block(x)
         logits = self.head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32; fp64 (a parity twin) stays fp64
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten())
         return logits, loss
 
 

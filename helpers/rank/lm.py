@@ -57,9 +57,12 @@ def gpt_config(args, vocab_size: int) -> GPTConfig:
 
 
 def build_gpt(args, vocab_size: int) -> GPT:
-    """The GPT of the flags, in ``--dtype``, from ``--seed``: the same weights on every rank."""
+    """The GPT of the flags, in ``--dtype``, from ``--seed``: the same weights on every rank, and the same as a GPT
+    built on the meta device and materialised with ``to_empty`` + ``init_weights(args.seed)``."""
     torch.manual_seed(args.seed)
-    return GPT(gpt_config(args, vocab_size)).to(DTYPES[args.dtype])
+    model = GPT(gpt_config(args, vocab_size))
+    model.init_weights(args.seed)  # reseeded: the weights do not depend on what the constructors drew
+    return model.to(DTYPES[args.dtype])
 
 
 def datasets(args):

@@ -61,6 +61,7 @@ class TrainStep(TypedDict, total=False):
     rss_mib: float        # resident memory of the rank process sampled at the end of the step (psutil)
     cuda_mib: float       # CUDA memory allocated at the end of the step (torch.cuda.memory_allocated)
     cuda_peak_mib: float  # CUDA high-water mark since the process started (torch.cuda.max_memory_allocated)
+    checkpoint_mode: str  # gpt_memory.py: the activation checkpointing the step ran with (none/selective/full)
 
 
 class TrainResult(TypedDict, total=False):
@@ -105,6 +106,22 @@ class TrainResult(TypedDict, total=False):
     unigram_loss: float       # GPT: the baseline: cross-entropy of the training text's character frequencies (nats)
     vocab_size: int           # GPT: distinct characters (tokens) of the text
     gpt: dict                 # GPT: the model's shape, helpers.rank.gpt.GPTConfig.as_dict()
+    tp_degree: int            # TP: ranks each layer is split over (course/gpt_tp.py --tp)
+    dp_degree: int            # TP: data-parallel ranks (world_size / tp_degree; FSDP2 over them when > 1)
+    sequence_parallel: bool   # TP: the LayerNorm regions sharded along the sequence (--sp)
+    tp_rank: int              # TP: this rank's place on the mesh's "tp" dimension (which tensor shard)
+    dp_rank: int              # TP: this rank's place on the mesh's "dp" dimension (which data shard)
+    shard_shapes: dict        # TP: {parameter name: the shape this rank holds (list of ints)}
+    tp_comm_calls: dict       # TP: {"forward"|"backward"|"grad_sync": {collective: calls}} of one step, CommDebugMode
+    activations: list         # gpt_memory.py: per measured shape, its GPT shape (seq_len, batch, d_model, n_head, n_layer,
+                              # vocab, attention, dtype, checkpoint) and act_bytes: bytes MemTracker labels activations
+                              # right after the forward (what autograd keeps for backward)
+    checkpointing: dict       # gpt_memory.py: per checkpoint mode, act_bytes (as above) and step_s: the timed steps'
+                              # wall seconds (modes interleaved, warm-up steps left out)
+    peak_split: dict          # gpt_memory.py: MemTracker's peak of one training step by kind (param, grad, opt, act,
+                              # temp, buffer, oth), bytes
+    meta_init_equal: bool     # gpt_memory.py: a GPT built on the meta device + to_empty + init_weights(seed) equals
+                              # lm.build_gpt's, tensor for tensor
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 

@@ -15,7 +15,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 __all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config",
-           "zero1_train"]
+           "zero1_train", "run_blocks", "column_row_linears"]
 
 
 def ring_all_reduce(tensor):
@@ -112,3 +112,43 @@ def zero1_train(model, batches):
         optimizer.step()  # this rank's shard only
         dist.all_gather_into_tensor(flat, shard.detach())  # after the step: every rank's updated shard, in order
         vector_to_parameters(flat[:numel], params)
+
+
+def run_blocks(blocks, x):
+    from torch.utils.checkpoint import checkpoint
+    for block in blocks:
+        # keep only the block's input; its activations are recomputed in backward, one block at a time
+        x = checkpoint(block, x, use_reentrant=False)
+    return x
+
+
+def column_row_linears(x, w1, w2):
+    import torch.nn.functional as F
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class f(torch.autograd.Function):  # before the column-parallel layer
+        @staticmethod
+        def forward(ctx, x):
+            return x  # x is the same on every rank already
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad)  # each rank's columns contribute to the gradient of the whole input
+            return grad
+
+    class g(torch.autograd.Function):  # after the row-parallel layer
+        @staticmethod
+        def forward(ctx, partial):
+            total = partial.clone()
+            dist.all_reduce(total)  # the row-parallel layer's partial sums, added up
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad  # the gradient of y is the same on every rank
+
+    w1_local = torch.tensor_split(w1, world, 0)[rank].clone().requires_grad_()  # output features: rows
+    w2_local = torch.tensor_split(w2, world, 1)[rank].clone().requires_grad_()  # input features: columns
+    y = g.apply(F.gelu(f.apply(x) @ w1_local.T) @ w2_local.T)
+    return y, w1_local, w2_local

@@ -29,6 +29,8 @@ from .ranks import (PARITY_K, close, function_source, is_stub, launch_problem, p
 # the ZeRO chapters' checkers (03, 04) live in write_zero.py; notebooks call them through this module
 from .write_zero import (DS_ACCUMULATION, DS_ARGS, DS_MICRO, DS_PARAMS, check_ds_config, check_zero1,  # noqa: F401
                          ds_budget_bytes)
+from .write_gpt import check_checkpointing, check_layer_bytes  # noqa: F401  (notebook 08)
+from .write_tp import check_tp_bytes, check_tp_linears  # noqa: F401  (notebook 09)
 
 @_never_raises
 def check_ring_all_reduce(ring_all_reduce, nproc: int = 3) -> Verdict:

@@ -1,0 +1,81 @@
+"""Exercise task: the learner writes a column-parallel and a row-parallel linear layer by hand (Megatron's f and g).
+
+    torchrun --nproc-per-node 2 helpers/rank/exercises/tp_linear.py --answer answer.py
+
+The learner's ``column_row_linears(x, w1, w2)`` gets the same input ``x`` (batch, D_IN) and the same full weights
+``w1`` (HIDDEN, D_IN) and ``w2`` (D_OUT, HIDDEN) on every rank and returns ``(y, w1_local, w2_local)``: y =
+gelu(x w1^T) w2^T computed from this rank's shards only, which are leaves that require grad. The rank records its
+output, the gradient of ``x`` and of each shard under one fixed loss, and the same from two ``nn.Linear`` on one
+process in float32 and float64 (their gap is the rounding floor of the checker's tolerance), sliced to this rank.
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from helpers.rank.exercises import load_answer, run_task
+from helpers.rank.runtime import end_rank, launched_ranks
+
+BATCH, D_IN, HIDDEN, D_OUT = 4, 6, 24, 5
+
+
+def inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w1 = torch.randn(BATCH, D_IN, generator=g), torch.randn(HIDDEN, D_IN, generator=g) / D_IN ** 0.5
+    w2, target = torch.randn(D_OUT, HIDDEN, generator=g) / HIDDEN ** 0.5, torch.randn(BATCH, D_OUT, generator=g)
+    return x.to(dtype), w1.to(dtype), w2.to(dtype), target.to(dtype)
+
+
+def reference(dtype, rank: int, world: int) -> dict:
+    """Two nn.Linear on one process; the weights' gradients cut to this rank's shards."""
+    x, w1, w2, target = inputs(dtype)
+    up, down = nn.Linear(D_IN, HIDDEN, bias=False, dtype=dtype), nn.Linear(HIDDEN, D_OUT, bias=False, dtype=dtype)
+    with torch.no_grad():
+        up.weight.copy_(w1), down.weight.copy_(w2)
+    x.requires_grad_()
+    y = down(F.gelu(up(x)))
+    (y * target).sum().backward()
+    rows = torch.tensor_split(torch.arange(HIDDEN), world)[rank]
+    return {"y": y.flatten().tolist(), "x_grad": x.grad.flatten().tolist(),
+            "w1_grad": up.weight.grad[rows].flatten().tolist(), "w2_grad": down.weight.grad[:, rows].flatten().tolist(),
+            "w1_shard": w1[rows].flatten().tolist(), "w2_shard": w2[:, rows].flatten().tolist()}
+
+
+def main() -> int:
+    rank, _, world = launched_ranks("torchrun --nproc-per-node 2 helpers/rank/exercises/tp_linear.py --answer FILE")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--answer", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    column_row_linears = load_answer(args.answer, "column_row_linears")
+
+    def task():
+        fields = {"world_size": world, "shapes": {"w1": [HIDDEN, D_IN], "w2": [D_OUT, HIDDEN]},
+                  "fp32": reference(torch.float32, rank, world), "fp64": reference(torch.float64, rank, world)}
+        x, w1, w2, target = inputs(torch.float32)
+        x.requires_grad_()
+        returned = column_row_linears(x, w1, w2)
+        if not (isinstance(returned, tuple) and len(returned) == 3):
+            return {**fields, "returned": repr(type(returned).__name__)}
+        y, w1_local, w2_local = returned
+        fields.update(w1_local_shape=list(w1_local.shape), w2_local_shape=list(w2_local.shape),
+                      leaves=bool(w1_local.is_leaf and w2_local.is_leaf and w1_local.requires_grad
+                                  and w2_local.requires_grad))
+        (y * target).sum().backward()
+        fields["answer"] = {"y": y.detach().flatten().tolist(),
+                            "x_grad": [] if x.grad is None else x.grad.flatten().tolist(),
+                            "w1_grad": [] if w1_local.grad is None else w1_local.grad.flatten().tolist(),
+                            "w2_grad": [] if w2_local.grad is None else w2_local.grad.flatten().tolist(),
+                            "w1_shard": w1_local.detach().flatten().tolist(),
+                            "w2_shard": w2_local.detach().flatten().tolist()}
+        return fields
+
+    run_task(rank, task)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    end_rank(main())
