@@ -125,6 +125,7 @@ def train(args, world_size, device):
         fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     log0(f"world_size={world_size} mesh=(dp={dp}, tp={args.tp}) sp={args.sp} params={params} "
+         f"debug={dist.get_debug_level().name} "
          f"gpt={model.cfg.as_dict()} global_batch={args.batch_size * dp} sequences of {args.seq_len}")
     shards = {n: list(p.to_local().shape if isinstance(p, DTensor) else p.shape) for n, p in model.named_parameters()}
     xs, ys = zip(*(train_ds[i] for i in range(args.batch_size)))

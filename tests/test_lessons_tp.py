@@ -18,14 +18,17 @@ def verdicts(capsys) -> dict[str, bool]:
 
 
 class FakeRun:
-    def __init__(self, by_rank: dict, losses=(), returncode=0):
-        self._by_rank, self.returncode, self.run_dir = by_rank, returncode, "fake"
+    def __init__(self, by_rank: dict, losses=(), returncode=0, log="debug=DETAIL"):
+        self._by_rank, self.returncode, self.run_dir, self._log = by_rank, returncode, "fake", log
         self.result = by_rank.get(0, {})
         self.metrics = [{"kind": "step", "rank": r, "step": i + 1, "loss": v}
                         for r in by_rank for i, v in enumerate(losses)]
 
     def results_by_rank(self):
         return self._by_rank
+
+    def log(self, rank: int) -> str:
+        return self._log
 
 
 def tp_run(nproc: int, sp: bool, losses=(), *, calls=None, shapes=None, roles=None) -> FakeRun:
@@ -113,12 +116,22 @@ def test_a_2d_mesh_missing_a_pair_is_refused(capsys):
     assert found["the 4 ranks cover the 2 x 2 mesh once each: every (dp rank, tp rank) pair"] is False
 
 
-def test_detail_claim_needs_every_step_and_a_clean_exit(capsys):
+def test_detail_claim_needs_the_detail_level_every_step_and_a_clean_exit(capsys):
     cfg = lesson.resolve("smoke", 0, 2, steps=4)
     lesson.claim_detail(tp_run(2, False, CURVE), cfg)
     lesson.claim_detail(FakeRun(tp_run(2, False).results_by_rank(), CURVE[:2]), cfg)
     lesson.claim_detail(FakeRun(tp_run(2, False).results_by_rank(), CURVE, returncode=1), cfg)
-    assert [v for _, v in checks.parse(capsys.readouterr().out)] == [True, False, False]
+    lesson.claim_detail(FakeRun(tp_run(2, False).results_by_rank(), CURVE, log="debug=OFF"), cfg)  # env not passed on
+    found = checks.parse(capsys.readouterr().out)
+    assert [v for _, v in found] == [True, False, False, False]
+    assert "on 2 gloo ranks" in found[0][0]
+    assert "on 2 nccl ranks" in lesson.resolve("smoke", 2, 2, steps=4).backend.join(["on 2 ", " ranks"])
+
+
+def test_the_two_by_two_section_runs_cpu_ranks_where_the_gpus_are_too_few():
+    assert lesson.resolve("smoke", 0, 2).env_for(4) is None  # CPU machine: gloo already
+    assert lesson.resolve("smoke", 2, 2).env_for(4) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert lesson.resolve("smoke", 4, 4).env_for(4) is None
 
 
 def test_the_script_claims_hold_for_the_course_scripts(capsys):

@@ -36,6 +36,16 @@ class Settings:
     steps: int
     batch: int        # sequences per step: the global batch of every run
     skip_steps: int
+    gpus: int = 0     # GPUs of this machine (0: CPU ranks, gloo)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.gpus else "gloo"
+
+    def env_for(self, ranks: int) -> dict | None:
+        """Variables for a launch of ``ranks`` ranks: on a machine with fewer GPUs than that (but some), CPU ranks
+        with gloo (``CUDA_VISIBLE_DEVICES=""``), so the 2 x 2 section runs anywhere; else None."""
+        return {"CUDA_VISIBLE_DEVICES": ""} if 0 < self.gpus < ranks else None
 
     def __str__(self) -> str:
         return (f"profile={self.profile} nproc={self.nproc} (TP degree) steps={self.steps} global_batch={self.batch} "
@@ -53,7 +63,7 @@ def resolve(profile: str, gpus: int, nproc=None, steps=None) -> Settings:
         raise ValueError(f"NPROC={nproc}: the GPT's {HEADS} heads must split evenly over the TP ranks; "
                          f"use one of {', '.join(str(d) for d in range(1, HEADS + 1) if HEADS % d == 0)}")
     steps = steps or (16 if profile == "smoke" else 40)
-    return Settings(profile, nproc, steps, batch=8, skip_steps=min(5, steps // 2))
+    return Settings(profile, nproc, steps, batch=8, skip_steps=min(5, steps // 2), gpus=gpus)
 
 
 def settings(profile="auto", nproc=None, steps=None) -> Settings:
@@ -218,10 +228,12 @@ def print_bytes(cfg: Settings, dtype_bytes: int = 4) -> None:
 
 
 def claim_detail(run, cfg: Settings) -> None:
-    """The run launched with TORCH_DISTRIBUTED_DEBUG=DETAIL finished, every step reported."""
-    claim(f"with TORCH_DISTRIBUTED_DEBUG=DETAIL, course/gpt_tp.py on {cfg.nproc} gloo ranks runs to the end "
-          f"(all {cfg.steps} steps, exit code 0) on this torch",
-          run.returncode == 0 and len(global_losses(run)) == cfg.steps)
+    """The run launched with TORCH_DISTRIBUTED_DEBUG=DETAIL had the DETAIL level on (rank 0 logs
+    ``dist.get_debug_level()``) and finished, every step reported."""
+    detail = "debug=DETAIL" in run.log(0)
+    claim(f"with TORCH_DISTRIBUTED_DEBUG=DETAIL active, course/gpt_tp.py on {cfg.nproc} {cfg.backend} ranks runs to "
+          f"the end (all {cfg.steps} steps, exit code 0) on this torch",
+          detail and run.returncode == 0 and len(global_losses(run)) == cfg.steps)
 
 
 def print_roles(run) -> None:
