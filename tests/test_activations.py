@@ -66,10 +66,31 @@ def test_step_memory_adds_activations_to_the_model_states_of_one_tp_share():
     one = act.step_memory_bytes(1e6, 1, 0, "fp32", gpt=gpt)
     four = act.step_memory_bytes(1e6, 1, 0, "fp32", gpt=gpt, tp=4)
     assert one["total"] == 16e6 + act.model_bytes(S, B, H, A, 2, 64)
-    assert four["params"] == one["params"] / 4 and four["activations"]["total"] < one["activations"]["total"]
+    assert four["params"] == 4 * act.tp_local_params(1e6, gpt, 4)
+    assert four["activations"]["total"] < one["activations"]["total"]
+    assert one["params"] / 4 < four["params"] < one["params"]  # the embeddings and LayerNorms are not split
 
 
 @pytest.mark.parametrize("bad", [dict(dtype="int8"), dict(attention="flash"), dict(checkpoint="some"), dict(tp=0)])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(ValueError):
         act.layer_terms(S, B, H, A, **bad)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_tp_local_params_is_what_notebook_09s_plan_leaves_on_a_rank(tp):
+    """The calculator's parameters per TP rank equal the sum of the shard shapes notebook 09's plan gives each rank
+    (helpers.calc.tp.shard_shape), on the GPT that chapter trains."""
+    import math
+
+    import torch
+
+    from helpers.calc import tp as tp_calc
+    from helpers.rank.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=29, seq_len=48, n_layer=2, n_head=12, d_model=96))
+    total = sum(p.numel() for p in model.parameters())
+    local = sum(math.prod(tp_calc.shard_shape(tuple(p.shape), tp_calc.shard_dim(name), tp))
+                for name, p in model.named_parameters())
+    assert act.tp_local_params(total, dict(d_model=96, n_layer=2), tp) == local

@@ -133,13 +133,27 @@ def checkpoint_saving(s: int, b: int, h: int, a: int, n_layer: int, vocab: int, 
             for mode in CHECKPOINTS}
 
 
+def tp_local_params(params: float, gpt: dict, tp: int = 1) -> float:
+    """Parameters one tensor-parallel rank holds under notebook 09's plan: the blocks' q, k, v, proj, up and down
+    matrices (``12 h^2`` per layer) split ``tp`` ways; the token and position embeddings, the untied head and the
+    LayerNorms whole on every rank.
+
+        >>> tp_local_params(1000, dict(d_model=4, n_layer=2), tp=1)
+        1000
+        >>> tp_local_params(1000, dict(d_model=4, n_layer=2), tp=4)   # 2 x 12 x 16 = 384 split, 616 whole
+        712.0
+    """
+    split = 12 * gpt["d_model"] ** 2 * gpt["n_layer"]
+    return params if tp == 1 else params - split + split / tp
+
+
 def step_memory_bytes(params: float, dp: int, stage: int, precision: str, *, gpt: dict, checkpoint: str = "none",
                       tp: int = 1, sp: bool = False) -> dict:
-    """Bytes per device of one training step: the ZeRO model states of ``params / tp`` parameters over ``dp``
-    data-parallel ranks (:func:`helpers.calc.memory.zero_model_state_bytes`; tensor parallelism splits every weight
-    matrix, the few LayerNorm parameters are ignored) plus the activations of ``gpt`` (seq_len, batch, d_model,
-    n_head, n_layer, vocab, attention, dtype) by :func:`model_terms`. Keys: the model states' and ``activations``
-    (a :func:`model_terms` dict), ``total``.
+    """Bytes per device of one training step: the ZeRO model states of the parameters a tensor-parallel rank holds
+    (:func:`tp_local_params`: notebook 09's plan splits the blocks' weight matrices and keeps the embeddings, the head
+    and the LayerNorms whole) over ``dp`` data-parallel ranks (:func:`helpers.calc.memory.zero_model_state_bytes`),
+    plus the activations of ``gpt`` (seq_len, batch, d_model, n_head, n_layer, vocab, attention, dtype) by
+    :func:`model_terms`. Keys: the model states' and ``activations`` (a :func:`model_terms` dict), ``total``.
 
     Example::
 
@@ -148,8 +162,8 @@ def step_memory_bytes(params: float, dp: int, stage: int, precision: str, *, gpt
     """
     from .memory import zero_model_state_bytes
 
-    out = dict(zero_model_state_bytes(params / tp, dp, stage, precision))
     g = gpt
+    out = dict(zero_model_state_bytes(tp_local_params(params, g, tp), dp, stage, precision))
     out["activations"] = model_terms(g["seq_len"], g["batch"], g["d_model"], g["n_head"], g["n_layer"], g["vocab"],
                                      g.get("dtype", "fp32"), g.get("attention", "math"), checkpoint, tp, sp)
     out["total"] = out["total"] + out["activations"]["total"]
