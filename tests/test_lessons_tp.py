@@ -126,12 +126,15 @@ def test_detail_claim_needs_the_detail_level_every_step_and_a_clean_exit(capsys)
     assert [v for _, v in found] == [True, False, False, False]
     assert "on 2 gloo ranks" in found[0][0]
     assert "on 2 nccl ranks" in lesson.resolve("smoke", 2, 2, steps=4).backend.join(["on 2 ", " ranks"])
+    lesson.claim_detail(tp_run(4, False, CURVE), lesson.resolve("smoke", 2, 2, steps=4), ranks=4, label="2-D")
+    assert "2-D on 4 gloo ranks" in checks.parse(capsys.readouterr().out)[0][0]  # 2 GPUs: the 4 ranks ran on CPU
 
 
 def test_the_two_by_two_section_runs_cpu_ranks_where_the_gpus_are_too_few():
-    assert lesson.resolve("smoke", 0, 2).env_for(4) is None  # CPU machine: gloo already
+    assert lesson.resolve("smoke", 0, 2).env_for(4) == {}  # CPU machine: gloo already
     assert lesson.resolve("smoke", 2, 2).env_for(4) == {"CUDA_VISIBLE_DEVICES": ""}
-    assert lesson.resolve("smoke", 4, 4).env_for(4) is None
+    assert lesson.resolve("smoke", 4, 4).env_for(4) == {}
+    assert lesson.resolve("smoke", 2, 2).env_for(2) == {}  # enough GPUs
 
 
 def test_the_script_claims_hold_for_the_course_scripts(capsys):

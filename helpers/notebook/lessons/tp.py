@@ -42,10 +42,10 @@ class Settings:
     def backend(self) -> str:
         return "nccl" if self.gpus else "gloo"
 
-    def env_for(self, ranks: int) -> dict | None:
+    def env_for(self, ranks: int) -> dict:
         """Variables for a launch of ``ranks`` ranks: on a machine with fewer GPUs than that (but some), CPU ranks
-        with gloo (``CUDA_VISIBLE_DEVICES=""``), so the 2 x 2 section runs anywhere; else None."""
-        return {"CUDA_VISIBLE_DEVICES": ""} if 0 < self.gpus < ranks else None
+        with gloo (``CUDA_VISIBLE_DEVICES=""``), so the 2 x 2 section runs anywhere; else none."""
+        return {"CUDA_VISIBLE_DEVICES": ""} if 0 < self.gpus < ranks else {}
 
     def __str__(self) -> str:
         return (f"profile={self.profile} nproc={self.nproc} (TP degree) steps={self.steps} global_batch={self.batch} "
@@ -227,11 +227,12 @@ def print_bytes(cfg: Settings, dtype_bytes: int = 4) -> None:
 # ---------------------------------------------------------------------------------------- 5. DETAIL, 2-D
 
 
-def claim_detail(run, cfg: Settings) -> None:
+def claim_detail(run, cfg: Settings, *, ranks: int | None = None, label: str = "course/gpt_tp.py") -> None:
     """The run launched with TORCH_DISTRIBUTED_DEBUG=DETAIL had the DETAIL level on (rank 0 logs
-    ``dist.get_debug_level()``) and finished, every step reported."""
+    ``dist.get_debug_level()``) and finished, every step reported. ``ranks``: its rank count (default: NPROC)."""
     detail = "debug=DETAIL" in run.log(0)
-    claim(f"with TORCH_DISTRIBUTED_DEBUG=DETAIL active, course/gpt_tp.py on {cfg.nproc} {cfg.backend} ranks runs to "
+    backend = "gloo" if ranks and 0 < cfg.gpus < ranks else cfg.backend  # too few GPUs: CPU ranks (env_for)
+    claim(f"with TORCH_DISTRIBUTED_DEBUG=DETAIL active, {label} on {ranks or cfg.nproc} {backend} ranks runs to "
           f"the end (all {cfg.steps} steps, exit code 0) on this torch",
           detail and run.returncode == 0 and len(global_losses(run)) == cfg.steps)
 
