@@ -31,6 +31,29 @@ def test_code_without_the_function_is_a_verdict_not_a_traceback():
     assert not verdict and "no function named ring_all_reduce" in verdict.message
 
 
+def test_the_tasks_launch_on_a_one_gpu_machine_as_cpu_ranks(monkeypatch, tmp_path):
+    """The task scripts are gloo programs: the checker hides the GPUs, which the launcher needs to accept 2 ranks on a
+    machine with one GPU (it refuses more CUDA ranks than GPUs)."""
+    from helpers import launch
+
+    one_gpu = launch.Machine(gpus=1, cpus=8)
+    with pytest.raises(launch.LaunchError, match="1 GPU"):
+        launch.LaunchSpec.check("torchrun", ranks.TASKS / "ring.py", 2, ["--answer", "a.py"], machine=one_gpu)
+    launch.LaunchSpec.check("torchrun", ranks.TASKS / "ring.py", 2, ["--answer", "a.py"], env=ranks.TASK_ENV,
+                            machine=one_gpu)
+    seen = {}
+
+    def fake_torchrun(*args, **kwargs):
+        seen.update(kwargs)
+        raise launch.LaunchError("not launched in this test")
+
+    monkeypatch.setattr(launch, "runs_root", lambda: tmp_path)
+    monkeypatch.setattr(launch, "torchrun", fake_torchrun)
+    outcomes, error = ranks.run_on_ranks("ring", "def ring_all_reduce(t):\n    pass\n", "ring_all_reduce", 2)
+    assert outcomes == {} and error is not None
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
 def test_a_written_body_is_not_an_outline():
     assert not ranks.is_stub("def f(t):\n    ...\n    t += 1\n", "f")
     assert ranks.is_stub("def f(t):\n    '''doc'''\n    ...\n", "f")

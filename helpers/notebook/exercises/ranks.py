@@ -93,6 +93,11 @@ def _prefix(name: str) -> str:
     return PREAMBLE[name] + "\n\n"
 
 
+# the tasks are gloo programs on CPU tensors: hide any GPUs, so a 1-GPU machine runs the 2-3 ranks too (the launcher
+# refuses more CUDA ranks than GPUs), and give each rank one thread
+TASK_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 def run_on_ranks(task: str, source: str, name: str, nproc: int, args=(), timeout: float = 120,
                  ) -> tuple[dict[int, dict], launch.LaunchError | None]:
     """Launch ``helpers/rank/exercises/<task>.py`` on ``nproc`` ranks with the learner's ``source`` (and ``args``
@@ -105,7 +110,7 @@ def run_on_ranks(task: str, source: str, name: str, nproc: int, args=(), timeout
     try:
         run_dir = launch.torchrun(TASKS / f"{task}.py", nproc=nproc, args=["--answer", f.name, *args], show="none",
                                   timeout=timeout, stall_timeout=STALL_S, name=f"exercise-{task}",
-                                  env={"OMP_NUM_THREADS": "1"}).run_dir
+                                  env=TASK_ENV).run_dir
     except launch.LaunchError as e:
         error, run_dir = e, e.run_dir
     outcomes = {}
