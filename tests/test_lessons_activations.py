@@ -127,3 +127,9 @@ def test_step_calculator_follows_its_checkpoint_and_tp_controls():
     assert f.step["params"] > 4 * 1e5 / 4  # the embeddings, the head and the LayerNorms stay whole on every rank
     calc.controls["sp"].value = True
     assert calc.figures().activations["total"] < f.activations["total"]
+
+
+def test_the_smoke_profile_trains_on_the_generated_text_even_with_a_corpus_on_disk():
+    smoke, full = lesson.resolve("smoke", 2), lesson.resolve("full", 2)
+    assert lesson.train_args(smoke)[-2:] == ["--dataset", "generated"]
+    assert "--dataset" not in lesson.train_args(full)  # auto: data/text/input.txt when it is there

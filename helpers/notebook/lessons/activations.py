@@ -73,7 +73,10 @@ def settings(profile="auto", nproc=None, steps=None, global_batch=24, sizes=None
 
 
 def train_args(cfg: Settings) -> list:
-    return ["--steps", cfg.steps, "--batch-size", cfg.global_batch // cfg.nproc]
+    """``course/gpt_train.py``'s flags. The smoke profile always trains on the generated text: its few steps were
+    measured to clear the loss margin there; a corpus on disk (``data/text/input.txt``) is for the full profile."""
+    text = ["--dataset", "generated"] if cfg.profile == "smoke" else []
+    return ["--steps", cfg.steps, "--batch-size", cfg.global_batch // cfg.nproc, *text]
 
 
 def memory_args(cfg: Settings) -> list:
