@@ -33,12 +33,12 @@ class StepFigures:
     tp: int
     sp: bool
     activations: dict  # helpers.calc.activations.model_terms: layers, head, total (bytes per device)
-    step: dict  # helpers.calc.activations.step_memory_bytes: model states of params / tp, activations, total
+    step: dict  # helpers.calc.activations.step_memory_bytes: a TP rank's model states, activations, total
 
     def lines(self) -> list[str]:
         a = self.activations
         return [f"activations per device: checkpoint={self.checkpoint}, TP degree {self.tp}, "
-                f"sequence parallel: {self.sp}",
+                f"sequence parallel {'on' if self.sp else 'off'}",
                 f"{'layers':<18}{a['layers'] / MIB:>12.2f} MiB",
                 f"{'head and inputs':<18}{a['head'] / MIB:>12.2f} MiB",
                 f"{'total':<18}{a['total'] / MIB:>12.2f} MiB",

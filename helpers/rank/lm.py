@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from . import memcap
 from .gpt import ATTENTIONS, CHECKPOINTS, GPT, GPTConfig
+from .harness import DTYPES  # the plain PyTorch scripts' --dtype: fp64 only to measure fp32 rounding
 from .runtime import log0
 from .text import announcement, text_datasets
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def parser(description: str, *, steps: int = 40) -> argparse.ArgumentParser:
