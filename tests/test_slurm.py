@@ -284,3 +284,18 @@ def test_bad_submission_fails_at_once_saying_what_to_change(cluster, work, scrip
     for text in message:
         assert text in job.output(), job.output()
     assert not job.metrics()  # no rank ever started
+
+
+# ---------------------------------------------------------------------------------------------
+# slurm_3d.sbatch
+
+
+def test_3d_sbatch_runs_the_dp_pp_tp_script_on_8_ranks_and_every_rank_reports_its_role(cluster, work):
+    """Submitted once, as the template's CPU rehearsal says: the default 2 x 2 x 2 mesh on 8 ranks of one node."""
+    job = submit(cluster, REPO / "course" / "slurm_3d.sbatch", work, "gpt3d",
+                 {"GPUS_PER_NODE": "8", "TRAIN_ARGS": "--steps 3 --skip-steps 1"})
+    assert_completed(job, job.wait())
+    result = job.result()
+    assert result["world_size"] == 8 and (result["dp_degree"], result["pp_degree"], result["tp_degree"]) == (2, 2, 2)
+    assert f"rendezvous {cluster.node}:{20000 + job.id % 10000} over lo" in job.output()
+    assert all(f"rank {r}: data shard" in job.output() for r in range(8))

@@ -138,3 +138,7 @@ RULES: dict[str, Callable[[str, str, int, Mapping[str, str] | None], str | None]
     "heads_split_over_tp": heads_split_over_tp,
     "sequence_splits_over_tp": sequence_splits_over_tp,
 }
+
+from .pipeline import RULES as _PIPELINE_RULES  # noqa: E402  (stages, micro-batches: helpers/calc/pipeline.py)
+
+RULES.update(_PIPELINE_RULES)

@@ -122,6 +122,19 @@ class TrainResult(TypedDict, total=False):
                               # temp, buffer, oth), bytes
     meta_init_equal: bool     # gpt_memory.py: a GPT built on the meta device + to_empty + init_weights(seed) equals
                               # lm.build_gpt's, tensor for tensor
+    pp_schedule: str          # PP: the torch.distributed.pipelining schedule (gpt_pp.py --schedule; "none": one process)
+    pp_degree: int            # PP: pipeline ranks
+    pp_num_stages: int        # PP: stages in all (pp_degree, or 2 x for the interleaved and V-shaped schedules)
+    pp_microbatches: int      # PP: micro-batches per step (--microbatches)
+    pp_loss_rank: int         # PP: the rank holding the last stage, where the loss is computed (then broadcast)
+    pp_stages: list           # PP: the stage indices this rank holds
+    pp_timeline: list         # PP: this rank's actions, [step, kind F/B/I/W, stage, micro-batch, t0 s, t1 s], seconds
+                              # since the step began (a barrier on every rank)
+    pp_planned: dict          # PP: the schedule's own plan, {rank: [action or None per slot]}, str(torch _Action) such
+                              # as "1F3" (stage 1, forward, micro-batch 3); pipeline_order (_get_pipeline_order)
+    pp_saved_bytes: dict      # PP: {stage: most bytes of saved activations (saved_tensors_hooks) held at once}, bytes
+    rank_state_bytes: dict    # 3-D: {params, grads, optimizer}: bytes this rank holds after its first step (a DTensor's
+                              # local shard: elements x element size)
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 

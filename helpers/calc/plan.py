@@ -1,0 +1,231 @@
+"""Choosing a layout for a GPT: DP x TP x PP, ZeRO and checkpointing, from the course's formulas. Pure arithmetic.
+
+A *layout* places a GPT (``shape``: vocab, seq_len, n_layer, n_head, d_model, attention) on ``dp x tp x pp`` ranks:
+``pp`` balanced pipeline stages (:func:`helpers.calc.pipeline.stage_layers`), each stage's blocks split over ``tp``
+ranks (notebook 09's Megatron plan: the blocks' six weight matrices, ``12 h^2`` per block, split; the embeddings,
+LayerNorms and head whole), and ``dp`` copies of that reading different data, their model states sharded by ZeRO
+``stage`` over the dp ranks. Each step a dp rank runs ``microbatches`` micro-batches of ``micro_batch`` sequences.
+
+Per rank, by stage (:func:`rank_memory`):
+
+    model states   = ZeRO's formula (:func:`helpers.calc.memory.zero_model_state_bytes`) of the stage's parameters
+                     on one tp rank (:func:`stage_params`), sharded over dp
+    activations    = micro-batches in flight x one micro-batch's bytes of the stage's layers, plus the embeddings'
+                     token ids on the first stage and the head's logits on the last (:mod:`helpers.calc.activations`)
+    in flight      = GPipe: all m (every forward runs before the first backward);
+                     1F1B: min(pp - s, m) on stage s (its warm-up forwards), so at most pp on the first stage
+
+:func:`propose` enumerates the layouts a machine allows (``tp`` a divisor of the GPUs per node and of the heads,
+``pp`` of the layers, ``dp`` the rest) and returns those that fit in memory, best first, by the order of the Ultra-Scale
+Playbook's first step, "fit a training step in memory": the fewest model-parallel ranks ``tp x pp`` (data
+parallelism adds the least communication to the critical path); for the same product more TP and less PP, TP inside
+a node (Narayanan et al. 2021, arXiv:2104.04473, takeaway #1: TP up to the GPUs per node, then PP); then the lowest
+ZeRO stage (ZeRO-3 moves 1.5x the bytes of DP); then the least recomputation. With ``pp > 1`` only ZeRO 0 and 1:
+DeepSpeed's pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+(``deepspeed/runtime/pipe/engine.py``): they would regather or re-reduce per micro-batch.
+
+:func:`step_comm_bytes`: what one rank sends per step on each axis, by the ring all-reduce's ``2 (n - 1) / n``.
+
+Example::
+
+    shape = dict(vocab=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048, attention="sdpa")
+    best = propose(shape, gpu_bytes=80 * 2**30, n_gpus=8, gpus_per_node=8, global_batch=512)[0]
+    best["layout"], best["bytes"] / 2**30    # the layout and its largest stage's GiB per rank
+"""
+from __future__ import annotations
+
+from . import activations
+from .memory import PRECISIONS, zero_model_state_bytes
+from .pipeline import stage_layers
+
+SCHEDULES = ("gpipe", "1f1b")
+USABLE = 0.85  # of a GPU's memory the proposal fills: the rest for the CUDA context, the allocator's fragmentation,
+#               communication buffers and the temporaries of backward, which the formulas do not count
+ADAM_STEP_BYTES = 4  # torch's Adam/AdamW keeps one fp32 step counter per parameter tensor (not in ZeRO's K)
+
+
+def _dtype(precision: str) -> str:
+    return "bf16" if precision == "mixed" else "fp32"
+
+
+def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1) -> int:
+    """Parameters one rank of pipeline stage ``stage`` (of ``pp``) holds at tensor-parallel degree ``tp``: per block
+    ``12 h^2 / tp + 4 h`` (the six matrices split, two LayerNorms whole), the embeddings ``(V + s) h`` on the first
+    stage, the final LayerNorm ``2 h`` and the untied head ``V h`` on the last.
+
+        >>> stage_params(dict(vocab=10, seq_len=4, n_layer=2, n_head=2, d_model=4))   # helpers.rank.gpt's count
+        520
+        >>> stage_params(dict(vocab=10, seq_len=4, n_layer=2, n_head=2, d_model=4), pp=2, stage=1, tp=2)
+        160
+    """
+    h, v = shape["d_model"], shape["vocab"]
+    if (12 * h * h) % tp:
+        raise ValueError(f"tp {tp} does not divide the blocks' matrices (d_model {h})")
+    blocks = len(stage_layers(shape["n_layer"], pp)[stage])
+    n = blocks * (12 * h * h // tp + 4 * h)
+    if stage == 0:
+        n += (v + shape["seq_len"]) * h
+    if stage == pp - 1:
+        n += 2 * h + v * h
+    return n
+
+
+def in_flight(schedule: str, pp: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once: GPipe all of them, 1F1B ``min(pp - s, m)``;
+    without a pipeline (``pp`` 1) one: each micro-batch's backward runs before the next forward (accumulation)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if pp == 1:
+        return 1
+    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+
+
+def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stage: int = 0, tp: int = 1,
+                                sp: bool = False, dtype: str = "fp32", checkpoint: str = "none") -> float:
+    """Bytes one micro-batch leaves saved for backward on one rank of ``stage``: its blocks'
+    (:func:`helpers.calc.activations.layer_bytes`), the token and position ids on the first stage, the final
+    LayerNorm, logits, log_softmax and targets on the last (:func:`helpers.calc.activations.head_terms`)."""
+    s, b, h = shape["seq_len"], micro_batch, shape["d_model"]
+    blocks = len(stage_layers(shape["n_layer"], pp)[stage])
+    out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, shape.get("attention", "math"),
+                                           checkpoint, tp, sp)
+    head = activations.head_terms(s, b, h, shape["vocab"], dtype)
+    ids = activations.INDEX_BYTES * s * b  # the token ids (first stage) or the targets (last)
+    if stage == 0:
+        out += ids + activations.INDEX_BYTES * s  # and the positions
+    if stage == pp - 1:
+        out += head["final LayerNorm input and output"] + head["logits and log_softmax"] + ids
+    return out
+
+
+def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, checkpoint: str = "none",
+                micro_batch: int = 1, microbatches: int = 1, schedule: str = "1f1b", precision: str = "fp32",
+                sp: bool = False, step_counters: bool = False) -> list[dict]:
+    """Per pipeline stage, what one rank holds at its peak: ``params`` (count), the model states ``params_bytes``,
+    ``grads``, ``optimizer``, ``in_flight`` micro-batches, ``activations`` and ``total`` (bytes). ``step_counters``:
+    add AdamW's fp32 step counter per parameter tensor (:data:`ADAM_STEP_BYTES`, with ``tensors`` per stage
+    from :func:`stage_tensors`), to compare with what torch's optimizer measurably keeps."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    out = []
+    for stage in range(pp):
+        n = stage_params(shape, pp, stage, tp)
+        states = zero_model_state_bytes(n, dp, zero, precision)
+        optimizer = states["optimizer"] + (ADAM_STEP_BYTES * stage_tensors(shape, pp, stage) if step_counters else 0)
+        held = in_flight(schedule, pp, stage, microbatches)
+        act = held * microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, _dtype(precision), checkpoint)
+        out.append(dict(stage=stage, params=n, params_bytes=states["params"], grads=states["grads"],
+                        optimizer=optimizer, in_flight=held, activations=act,
+                        total=states["params"] + states["grads"] + optimizer + act))
+    return out
+
+
+def stage_tensors(shape: dict, pp: int = 1, stage: int = 0) -> int:
+    """Parameter tensors of a stage: 10 per block (six matrices, two LayerNorms' weight and bias), 2 embeddings
+    on the first stage, the final LayerNorm's two and the head on the last."""
+    n = 10 * len(stage_layers(shape["n_layer"], pp)[stage])
+    return n + (2 if stage == 0 else 0) + (3 if stage == pp - 1 else 0)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: dict, n_gpus: int, gpus_per_node: int, global_batch: int, micro_batch: int = 1):
+    """Every (dp, tp, pp, microbatches) the machine and the model allow: tp divides the GPUs per node and the heads,
+    pp the layers, dp = n_gpus / (tp pp) divides the global batch into micro-batches, and 1F1B gets m >= pp."""
+    for tp in _divisors(gpus_per_node):
+        if shape["n_head"] % tp:
+            continue
+        for pp in _divisors(shape["n_layer"]):
+            if n_gpus % (tp * pp):
+                continue
+            dp = n_gpus // (tp * pp)
+            if global_batch % (dp * micro_batch):
+                continue
+            m = global_batch // (dp * micro_batch)
+            if pp > 1 and m < pp:
+                continue
+            yield dp, tp, pp, m
+
+
+# A DGX H100 node's figures, as the vendor states them: 989 TFLOP/s dense bf16 per H100 SXM GPU; NVLink 4, 900 GB/s
+# per GPU in both directions together (450 GB/s each way); one ConnectX-7 NDR port per GPU, 400 Gb/s = 50 GB/s.
+# efficiency: the fraction of peak a well-tuned run reaches, Megatron-LM's 52% (163 of 312 TFLOP/s per A100,
+# Narayanan et al. 2021, arXiv:2104.04473, Sec. 5.1): an assumption, stated, not a measurement of this machine.
+H100_NODE = dict(flops=989e12, efficiency=0.52, nvlink=450e9, network=50e9)
+
+
+def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: int, gpus_per_node: int,
+                 precision: str = "mixed", hardware: dict = H100_NODE) -> dict:
+    """A step's time on ``hardware`` by a first-order model (the Playbook's step 3, "optimise throughput"):
+
+    * ``compute``: 6 N + 12 L h s FLOPs per token (Kaplan et al. 2020's count: matmuls and attention), over the
+      GPUs at ``efficiency`` of peak; full checkpointing runs the forward again (x 4/3); divided by
+      ``1 - bubble`` for a pipeline;
+    * ``tp``: the TP all-reduces (:func:`step_comm_bytes`) over NVLink, in the critical path of every layer;
+    * ``dp``: the gradient all-reduce (ZeRO-3: and the gathers) over the network when the run spans nodes, NVLink
+      otherwise, hidden behind the backward (ZeRO-3: behind forward and backward) and counted where it is longer;
+    * the pipeline's point-to-point sends overlap other micro-batches' compute and are left out.
+    """
+    L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
+    dp, tp, pp, m = layout["dp"], layout["tp"], layout["pp"], layout["microbatches"]
+    n_gpus = dp * tp * pp
+    total = sum(stage_params(shape, pp, st, tp=1) for st in range(pp))
+    flops = (6 * total + 12 * L * h * s) * global_batch * s * (4 / 3 if layout["checkpoint"] == "full" else 1)
+    bubble = (pp - 1) / (m + pp - 1)
+    compute = flops / (n_gpus * hardware["flops"] * hardware["efficiency"]) / (1 - bubble)
+    comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
+                           precision=precision, zero=layout["zero"])
+    tp_s = comm["tp"] / hardware["nvlink"]
+    dp_s = comm["dp"] / (hardware["network"] if n_gpus > gpus_per_node else hardware["nvlink"])
+    hidden_behind = compute * (1 if layout["zero"] == 3 else 2 / 3)
+    exposed = max(0.0, dp_s - hidden_behind)
+    return dict(compute=compute, bubble=bubble, tp=tp_s, dp=dp_s, dp_exposed=exposed, total=compute + tp_s + exposed)
+
+
+def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, global_batch: int,
+            micro_batch: int = 1, precision: str = "mixed", usable: float = USABLE,
+            hardware: dict = H100_NODE) -> list[dict]:
+    """The layouts whose largest stage fits in ``usable x gpu_bytes`` per rank (the Playbook's step 1), fastest
+    first by :func:`step_seconds` (its step 3); ties by the order of the module docstring. Each: ``layout`` (dp,
+    tp, pp, zero, checkpoint, sp, microbatches, schedule), ``bytes`` (the largest stage's total per rank),
+    ``bubble``, ``seconds`` (:func:`step_seconds`), ``stages`` (:func:`rank_memory`)."""
+    if n_gpus < 1 or gpus_per_node < 1 or (n_gpus > gpus_per_node and n_gpus % gpus_per_node):
+        raise ValueError(f"need n_gpus a multiple of gpus_per_node (or fewer), got {n_gpus} and {gpus_per_node}")
+    node = min(gpus_per_node, n_gpus)
+    fits = []
+    for dp, tp, pp, m in layouts(shape, n_gpus, node, global_batch, micro_batch):
+        for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
+            for rank, checkpoint in enumerate(activations.CHECKPOINTS):
+                layout = dict(dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint, sp=tp > 1, microbatches=m,
+                              schedule="1f1b")
+                stages = rank_memory(shape, dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint,
+                                     micro_batch=micro_batch, microbatches=m, precision=precision, sp=tp > 1)
+                worst = max(st["total"] for st in stages)
+                if worst <= usable * gpu_bytes:
+                    t = step_seconds(shape, layout, global_batch=global_batch, micro_batch=micro_batch,
+                                     gpus_per_node=node, precision=precision, hardware=hardware)
+                    fits.append(dict(layout=layout, bytes=worst, bubble=t["bubble"], seconds=t, stages=stages,
+                                     key=(round(t["total"], 9), tp * pp, -tp, zero, rank)))
+    return sorted(fits, key=lambda f: f["key"])
+
+
+def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
+                    microbatches: int = 1, precision: str = "fp32", zero: int = 0) -> dict:
+    """Bytes one rank sends per step on each axis (the first stage's rank, which holds the most):
+
+    * ``tp``: 4 all-reduces of a micro-batch's activations (s b h) per block, two in forward (after the attention
+      projection and the MLP's down matrix) and two in backward, each ``2 (tp - 1) / tp`` of the tensor;
+    * ``pp``: the activation sent forward and the gradient sent back, per micro-batch and stage boundary;
+    * ``dp``: the stage's gradients all-reduced once per step, ``2 (dp - 1) / dp`` of them (ZeRO-3: 1.5x, the
+      parameters gathered again for forward and backward).
+    """
+    e = activations.DTYPE_BYTES[_dtype(precision)]
+    s, h = shape["seq_len"], shape["d_model"]
+    act = e * s * micro_batch * h
+    blocks = len(stage_layers(shape["n_layer"], pp)[0])
+    grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp)
+    return {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
+            "pp": microbatches * 2 * act if pp > 1 else 0.0,
+            "dp": grads * 2 * (dp - 1) / dp * (1.5 if zero == 3 else 1.0)}

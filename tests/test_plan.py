@@ -1,0 +1,98 @@
+"""helpers.calc.plan, the configuration guide of notebook 10: per-rank memory of a DP x TP x PP layout from the
+course's formulas, the layouts a machine allows, the proposal's order, and the per-axis communication."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.calc import activations, memory, plan
+from helpers.rank.gpt import GPTConfig, parameter_count
+
+TINY = dict(vocab=29, seq_len=32, n_layer=4, n_head=4, d_model=32, attention="math")
+GPT3_XL = dict(vocab=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048, attention="sdpa")
+
+
+@pytest.mark.parametrize("shape", [TINY, dict(TINY, n_layer=12, d_model=64), GPT3_XL])
+def test_stage_params_add_up_to_the_gpts_own_count_on_every_pipeline(shape):
+    cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"], n_layer=shape["n_layer"],
+                    n_head=shape["n_head"], d_model=shape["d_model"])
+    for pp in (1, 2, 4):
+        assert sum(plan.stage_params(shape, pp, s) for s in range(pp)) == parameter_count(cfg)
+    for tp in (2, 4):  # pp 1: notebook 09's plan, as the step calculator counts it
+        assert plan.stage_params(shape, 1, 0, tp) == activations.tp_local_params(parameter_count(cfg), shape, tp)
+
+
+def test_micro_batches_in_flight_follow_the_schedule():
+    assert [plan.in_flight("gpipe", 4, s, 8) for s in range(4)] == [8, 8, 8, 8]
+    assert [plan.in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [plan.in_flight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert plan.in_flight("gpipe", 1, 0, 8) == 1  # no pipeline: accumulation, one micro-batch at a time
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        plan.in_flight("zbv", 2, 0, 4)
+
+
+def test_stage_activations_add_up_to_the_whole_models_formula():
+    s, b, h, a, L, v = 32, 4, 32, 4, 4, 29
+    whole = activations.model_bytes(s, b, h, a, L, v)
+    for pp in (1, 2, 4):
+        assert sum(plan.microbatch_activation_bytes(TINY, b, pp, st) for st in range(pp)) == pytest.approx(whole)
+
+
+def test_rank_memory_is_zeros_formula_plus_the_activations_in_flight():
+    one = plan.rank_memory(TINY, dp=2, tp=2, pp=2, micro_batch=4, microbatches=4, schedule="gpipe")
+    f1b = plan.rank_memory(TINY, dp=2, tp=2, pp=2, micro_batch=4, microbatches=4, schedule="1f1b")
+    for st in range(2):
+        states = memory.zero_model_state_bytes(plan.stage_params(TINY, 2, st, 2), 2, 0, "fp32")
+        assert (one[st]["params_bytes"], one[st]["grads"], one[st]["optimizer"]) == (
+            states["params"], states["grads"], states["optimizer"])
+        per_mb = plan.microbatch_activation_bytes(TINY, 4, 2, st, 2)
+        assert one[st]["activations"] == 4 * per_mb and f1b[st]["activations"] == (2 - st) * per_mb
+    z3 = plan.rank_memory(TINY, dp=4, zero=3)[0]
+    assert z3["params_bytes"] == 4 * plan.stage_params(TINY) / 4
+    counted = plan.rank_memory(TINY, step_counters=True)[0]["optimizer"] - plan.rank_memory(TINY)[0]["optimizer"]
+    assert counted == plan.ADAM_STEP_BYTES * (10 * 4 + 2 + 3)
+    with pytest.raises(ValueError, match="precision"):
+        plan.rank_memory(TINY, precision="fp8")
+
+
+def test_layouts_respect_the_node_the_heads_the_layers_and_the_batch():
+    got = list(plan.layouts(TINY, n_gpus=8, gpus_per_node=4, global_batch=16))
+    assert got and all(dp * tp * pp == 8 for dp, tp, pp, _ in got)
+    assert all(tp <= 4 and 4 % tp == 0 and TINY["n_layer"] % pp == 0 for _, tp, pp, _ in got)
+    assert all(16 % dp == 0 and m == 16 // dp and (pp == 1 or m >= pp) for dp, _, pp, m in got)
+    assert (2, 2, 2, 8) in got and not any(tp == 8 for _, tp, _, _ in got)
+
+
+def test_the_proposal_fits_is_fastest_first_and_refuses_what_cannot_fit():
+    fits = plan.propose(GPT3_XL, gpu_bytes=80 * 2**30, n_gpus=8, gpus_per_node=8, global_batch=512)
+    assert fits and all(f["bytes"] <= plan.USABLE * 80 * 2**30 for f in fits)
+    times = [f["seconds"]["total"] for f in fits]
+    assert times == sorted(times)
+    assert all(f["layout"]["zero"] <= 1 for f in fits if f["layout"]["pp"] > 1)  # DeepSpeed's pipeline rule
+    # shrink the GPU below the proposal's need: that layout must drop out, and something else come first
+    smaller = fits[0]["bytes"] / plan.USABLE * 0.99
+    again = plan.propose(GPT3_XL, gpu_bytes=smaller, n_gpus=8, gpus_per_node=8, global_batch=512)
+    assert again and fits[0]["layout"] not in [f["layout"] for f in again]
+    assert plan.propose(GPT3_XL, gpu_bytes=2**30, n_gpus=8, gpus_per_node=8, global_batch=512) == []
+    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+        plan.propose(GPT3_XL, gpu_bytes=80 * 2**30, n_gpus=12, gpus_per_node=8, global_batch=512)
+
+
+def test_communication_per_axis_vanishes_without_the_axis_and_grows_with_it():
+    none = plan.step_comm_bytes(TINY)
+    assert none == {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    two = plan.step_comm_bytes(TINY, dp=2, tp=2, pp=2, micro_batch=4, microbatches=2)
+    act = 4 * 32 * 4 * 32  # fp32 s b h
+    assert two["tp"] == 2 * 2 * 4 * act * 2 * 1 / 2  # m x blocks x 4 all-reduces x 2 (t - 1) / t
+    assert two["pp"] == 2 * 2 * act
+    assert two["dp"] == 4 * plan.stage_params(TINY, 2, 0, 2) * 2 * 1 / 2
+    assert plan.step_comm_bytes(TINY, dp=2, zero=3)["dp"] == 1.5 * plan.step_comm_bytes(TINY, dp=2)["dp"]
+
+
+def test_the_step_model_charges_recomputation_the_bubble_and_tp():
+    base = dict(dp=8, tp=1, pp=1, zero=0, checkpoint="none", sp=False, microbatches=64)
+    t = plan.step_seconds(GPT3_XL, base, global_batch=512, micro_batch=1, gpus_per_node=8)
+    full = plan.step_seconds(GPT3_XL, dict(base, checkpoint="full"), global_batch=512, micro_batch=1, gpus_per_node=8)
+    assert full["compute"] == pytest.approx(4 / 3 * t["compute"]) and t["tp"] == 0
+    piped = plan.step_seconds(GPT3_XL, dict(base, dp=2, pp=4, microbatches=256), global_batch=512, micro_batch=1,
+                              gpus_per_node=8)
+    assert piped["bubble"] == pytest.approx(3 / 259) and piped["compute"] > t["compute"]
