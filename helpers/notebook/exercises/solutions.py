@@ -15,7 +15,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 __all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config",
-           "zero1_train", "run_blocks", "column_row_linears"]
+           "zero1_train", "run_blocks", "column_row_linears", "one_f_one_b"]
 
 
 def ring_all_reduce(tensor):
@@ -152,3 +152,11 @@ def column_row_linears(x, w1, w2):
     w2_local = torch.tensor_split(w2, world, 1)[rank].clone().requires_grad_()  # input features: columns
     y = g.apply(F.gelu(f.apply(x) @ w1_local.T) @ w2_local.T)
     return y, w1_local, w2_local
+
+
+def one_f_one_b(stage, p, m):
+    warm = min(p - 1 - stage, m)  # forwards before the first backward: the stages after this one fill up
+    order = [("F", i) for i in range(warm)]
+    for i in range(warm, m):  # steady state: one forward, then the backward of the oldest micro-batch held
+        order += [("F", i), ("B", i - warm)]
+    return order + [("B", i) for i in range(m - warm, m)]  # cool-down: the backwards still owed

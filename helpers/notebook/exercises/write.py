@@ -31,6 +31,7 @@ from .write_zero import (DS_ACCUMULATION, DS_ARGS, DS_MICRO, DS_PARAMS, check_ds
                          ds_budget_bytes)
 from .write_gpt import check_checkpointing, check_layer_bytes  # noqa: F401  (notebook 08)
 from .write_tp import check_tp_bytes, check_tp_linears  # noqa: F401  (notebook 09)
+from .write_pp import check_1f1b_order, check_bubble  # noqa: F401  (notebook 10)
 
 @_never_raises
 def check_ring_all_reduce(ring_all_reduce, nproc: int = 3) -> Verdict:

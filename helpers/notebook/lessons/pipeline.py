@@ -1,0 +1,492 @@
+"""Notebook 10 (pipeline parallelism): the settings, tables, Gantt charts and claim lines the notebook's cells call.
+
+course/gpt_pp.py cuts the course's GPT into ``NPROC`` balanced stages and runs torch's GPipe and 1F1B schedules on
+them with ``MICROBATCHES`` micro-batches, each beside an fp64 twin; the one-process run (the whole GPT, no pipeline)
+in fp32 and fp64 is the reference (:mod:`helpers.calc.parity`). Every rank reports the timeline of its forward and
+backward actions and the activation bytes each stage held (:mod:`helpers.rank.pipeline`); the formulas are in
+:mod:`helpers.calc.pipeline`.
+
+The bubble, measured: per rank ``1 - busy / span`` of a step (busy: the summed durations of its actions; span: the
+first action's start to the last action's end over all ranks), the mean over ranks, then the median over the
+steps after the warm-up ones, with the spread; on the clock, and of each step replayed with its measured durations
+and free communication (:func:`helpers.calc.pipeline.replay`), which is what the formula describes. It is claimed
+against the formula only where the machine gives every rank a core of its own (``os.sched_getaffinity``): ranks
+that share a core wait for it, and that wait shows as busy time or as idle time depending on where the scheduler
+cuts in.
+
+Section 7 runs course/gpt_3d.py (DP x PP x TP on 8 ranks); section 8 holds the configuration guide
+(:mod:`helpers.calc.plan`) against the memory each of those ranks measured.
+
+Example (notebook cells)::
+
+    cfg = lesson.settings(PROFILE, NPROC, MICROBATCHES, STEPS)
+    ...  # the launches, in the notebook
+    lesson.claim_losses(runs)
+    lesson.claim_bubbles(runs, cfg)
+"""
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from dataclasses import dataclass
+
+from ...calc import parity, pipeline
+from ...rank import metrics
+from ..checks import claim
+from ..scripts import COURSE
+
+N_LAYER, D_MODEL, SEQ_LEN, BATCH = 12, 128, 256, 8  # 12 blocks: equal stages on 1, 2, 3, 4 ranks
+TIMED = ("GPipe", "1F1B")
+SCHEDULE_OF = {"GPipe": "gpipe", "1F1B": "1f1b"}
+BUBBLE_TOLERANCE = 0.05
+COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    profile: str
+    nproc: int         # pipeline stages = ranks
+    microbatches: int
+    steps: int
+    skip_steps: int
+    cores: int         # cores this process may run on (os.sched_getaffinity)
+
+    def __str__(self) -> str:
+        return (f"profile={self.profile} nproc={self.nproc} (stages) microbatches={self.microbatches} "
+                f"steps={self.steps}, {N_LAYER} blocks ({N_LAYER // self.nproc} per stage), d_model={D_MODEL}, "
+                f"batch {BATCH} sequences of {SEQ_LEN}; {self.cores} cores for the ranks")
+
+    def args(self, *extra) -> list:
+        return ["--steps", self.steps, "--skip-steps", self.skip_steps, "--n-layer", N_LAYER, "--d-model", D_MODEL,
+                "--seq-len", SEQ_LEN, "--batch-size", BATCH, "--microbatches", self.microbatches, *extra]
+
+    @property
+    def measurable(self) -> bool:
+        """Whether every rank has a core of its own, so a rank's idle time is the pipeline's, not the scheduler's."""
+        return self.cores >= self.nproc
+
+
+def resolve(profile: str, cores: int, nproc=None, microbatches=None, steps=None) -> Settings:
+    """The parameters with their defaults filled in, or a ValueError that says what to change."""
+    nproc = nproc or 2
+    microbatches = microbatches or 4
+    if nproc < 1 or N_LAYER % nproc:
+        raise ValueError(f"NPROC={nproc}: the GPT's {N_LAYER} blocks must split into equal stages; use one of "
+                         f"{', '.join(str(d) for d in range(1, 7) if N_LAYER % d == 0)}")
+    if BATCH % microbatches or (nproc > 1 and microbatches < nproc):
+        fits = [d for d in range(nproc, BATCH + 1) if BATCH % d == 0]
+        raise ValueError(f"MICROBATCHES={microbatches}: it must divide the batch of {BATCH} and, for 1F1B, be at "
+                         f"least NPROC={nproc}; use one of {', '.join(map(str, fits))}")
+    steps = steps or (10 if profile == "smoke" else 30)
+    return Settings(profile, nproc, microbatches, steps, skip_steps=min(3, steps // 2), cores=cores)
+
+
+def settings(profile="auto", nproc=None, microbatches=None, steps=None) -> Settings:
+    """:func:`resolve` with this machine's profile and cores; prints the result."""
+    from .. import env
+
+    cfg = resolve(env.profile(profile), len(os.sched_getaffinity(0)), nproc, microbatches, steps)
+    print(cfg)
+    if cfg.nproc == 1:
+        print("NPROC=1: one stage is the whole GPT in one process (no schedule runs): its bubble is 0, the "
+              "formula's (p - 1) / (m + p - 1) too, and there is no pipeline memory to compare.")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- 1. which schedules run
+
+
+def torch_schedules() -> list[str]:
+    import torch.distributed.pipelining as pp
+
+    return sorted(n for n in dir(pp) if n.startswith("Schedule"))
+
+
+def show_feasibility() -> None:
+    """The record of tests/test_pp_schedules.py (:data:`helpers.calc.pipeline.FEASIBILITY`), one line a schedule."""
+    import torch
+
+    print(f"torch {torch.__version__.split('+')[0]}, gloo, 2 and 4 ranks, loss against one process:")
+    for name, (cls, per_rank, place) in pipeline.SCHEDULES.items():
+        rec = pipeline.FEASIBILITY[name]
+        need = rec.get("min_microbatches")
+        extra = f"; needs micro-batches >= stages (torch: \"{need['error']}\")" if need else ""
+        what = rec["status"] if rec["status"] == "runs" else f"{rec['status']}: {rec['error']} ({rec['issue']})"
+        print(f"  {cls:31s} {per_rank} stage(s)/rank, {'V' if place == 'v' else 'looped'}: {what}{extra}")
+    recorded = {cls for cls, _, _ in pipeline.SCHEDULES.values()}
+    claim("every schedule torch.distributed.pipelining offers is in the record, and each runs on gloo",
+          recorded == set(torch_schedules()) and all(r["status"] == "runs" for r in pipeline.FEASIBILITY.values()),
+          measured=f"{len(recorded)} recorded, {len(torch_schedules())} in torch")
+
+
+# ---------------------------------------------------------------------------------------- 2. the same losses
+
+
+def losses(run) -> list[float]:
+    """Rank 0's logged loss per step: the last stage's mean micro-batch loss, broadcast."""
+    return [r["loss"] for r in metrics.steps(run.metrics, 0)]
+
+
+def claim_losses(runs: dict) -> dict:
+    """fp64 and fp32 parity of GPipe and 1F1B with one process (floor over every fp32/fp64 pair)."""
+    curves = {label: losses(run) for label, run in runs.items()}
+    pairs = [(curves["one process"], curves["one process fp64"])] + [(curves[l], curves[l + " fp64"]) for l in TIMED]
+    floor = parity.twin_floor(*pairs)
+    fp64 = {l: parity.check(curves[l + " fp64"], curves["one process fp64"], floor, bound=parity.fp64_bound(floor))
+            for l in TIMED}
+    claim(f"in fp64, GPipe and 1F1B give the one-process loss at every step, within {parity.K} x the fp32 floor x "
+          f"2^-29", all(r["ok"] for r in fp64.values()),
+          measured=", ".join(f"{l} {r['gap']:.1e} (bound {r['bound']:.1e})" for l, r in fp64.items()))
+    fp32 = {l: parity.check(curves[l], curves["one process"], floor) for l in TIMED}
+    claim(f"in fp32, GPipe and 1F1B give one process's loss at every step, within {parity.K} x the noise floor",
+          all(r["ok"] for r in fp32.values()),
+          measured=", ".join(f"{l} {r['gap']:.1e}" for l, r in fp32.items()) + f"; floor {floor:.1e}")
+    return curves
+
+
+def claim_loss_rank(run, cfg: Settings) -> None:
+    res = run.result
+    claim(f"the loss is computed on rank {cfg.nproc - 1} (the last stage) and rank 0 logs that value, broadcast",
+          res["pp_loss_rank"] == cfg.nproc - 1 and all(2.0 < x < 5.0 for x in losses(run)),
+          measured=f"rank {res['pp_loss_rank']}, first loss {losses(run)[0]:.3f}")
+
+
+# ---------------------------------------------------------------------------------------- 3. timelines
+
+
+def actions(run) -> list[dict]:
+    """Every rank's actions as dicts (rank, step, kind, stage, mb, t0, t1)."""
+    return [dict(rank=r, step=a[0], kind=a[1], stage=a[2], mb=a[3], t0=a[4], t1=a[5])
+            for r, res in run.results_by_rank().items() for a in res["pp_timeline"]]
+
+
+def by_step(acts: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for a in acts:
+        out.setdefault(a["step"], []).append(a)
+    return dict(sorted(out.items()))
+
+
+def planned(step_actions: list[dict], n_stages: int) -> list[dict]:
+    """The plan of one step: the order each rank ran its actions in, laid out with unit costs (F 1, B 2) and free
+    communication (:func:`helpers.calc.pipeline.simulate`)."""
+    orders: dict[int, list] = {}
+    for a in sorted(step_actions, key=lambda a: a["t0"]):
+        orders.setdefault(a["rank"], []).append((a["kind"], a["stage"], a["mb"]))
+    return pipeline.simulate(orders, n_stages)
+
+
+def median_step(run, cfg: Settings) -> list[dict]:
+    """The timed step whose span is the median one (after the warm-up steps)."""
+    steps = list(by_step(actions(run)).values())[cfg.skip_steps:]
+    spans = [max(a["t1"] for a in s) - min(a["t0"] for a in s) for s in steps]
+    return steps[sorted(range(len(steps)), key=spans.__getitem__)[len(steps) // 2]]
+
+
+def plot_gantt(runs: dict, cfg: Settings):
+    """Planned (unit slots) above measured (milliseconds), GPipe and 1F1B side by side."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(TIMED), figsize=(11, 4.2), squeeze=False)
+    for col, label in enumerate(TIMED):
+        step = median_step(runs[label], cfg)
+        for row, (acts, scale, unit) in enumerate(((planned(step, cfg.nproc), 1.0, "slots (F = 1, B = 2)"),
+                                                   (step, 1000.0, "ms"))):
+            ax = axes[row][col]
+            t_zero = min(a["t0"] for a in acts)
+            for a in acts:
+                ax.barh(a["rank"], (a["t1"] - a["t0"]) * scale, left=(a["t0"] - t_zero) * scale,
+                        color=COLORS[a["kind"]], edgecolor="white")
+                ax.text((a["t0"] - t_zero + (a["t1"] - a["t0"]) / 2) * scale, a["rank"], str(a["mb"]),
+                        ha="center", va="center", fontsize=7, color="white")
+            ax.set(yticks=range(cfg.nproc), yticklabels=[f"rank {r}" for r in range(cfg.nproc)], xlabel=unit,
+                   title=f"{label}: {'planned' if row == 0 else 'measured'}")
+            ax.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def planned_orders(run) -> dict[int, list[tuple[str, int]]]:
+    """The schedule's own action list per rank (``pipeline_order``, reported as ``pp_planned``): its compute
+    actions as (kind, micro-batch), the communication and gradient-reduction entries left out."""
+    out = {}
+    for rank, acts in (run.result.get("pp_planned") or {}).items():
+        parsed = [re.fullmatch(r"(\d+)([FBIW])(\d+)", a) for a in acts if a]
+        out[int(rank)] = [(m.group(2), int(m.group(3))) for m in parsed if m]
+    return out
+
+
+def claim_order(runs: dict, cfg: Settings) -> None:
+    """Each rank ran its forwards and backwards in the order of the schedule's own action list."""
+    if cfg.nproc == 1:
+        claim("one process: no schedule, so no plan to follow (the order claim needs NPROC >= 2)",
+              not runs["1F1B"].result.get("pp_planned"))
+        return
+    same, relabelled = [], []
+    for label in TIMED:
+        plan, step = planned_orders(runs[label]), median_step(runs[label], cfg)
+        for rank in range(cfg.nproc):
+            ran = [(a["kind"], a["mb"]) for a in sorted(step, key=lambda a: a["t0"]) if a["rank"] == rank]
+            same.append([k for k, _ in ran] == [k for k, _ in plan.get(rank, [])])
+            if ran != plan.get(rank):
+                relabelled.append(f"{label} rank {rank} ran " + " ".join(f"{k}{i}" for k, i in ran) + "; its list "
+                                  "reads " + " ".join(f"{k}{i}" for k, i in plan.get(rank, [])))
+    claim("every rank ran its forwards and backwards in the order of the schedule's own action list "
+          "(pipeline_order)", all(same) and len(same) == 2 * cfg.nproc,
+          measured=f"{sum(same)} of {len(same)} rank orders")
+    for line in relabelled:  # torch 2.14.1 numbers the last 1F1B stage's planned forwards 1..m (tests/test_pp.py)
+        print(f"  micro-batch numbers differ: {line}")
+
+
+# ---------------------------------------------------------------------------------------- 4. the bubble
+
+
+def bubbles(run, cfg: Settings, replayed: bool = False) -> dict:
+    """The steady-state bubble of a run: on the clock, or (``replayed``) of each step replayed with its measured
+    durations and free communication (:func:`helpers.calc.pipeline.replay`)."""
+    return pipeline.steady_bubble(list(by_step(actions(run)).values()), skip=cfg.skip_steps,
+                                  n_stages=cfg.nproc if replayed else None)
+
+
+def claim_bubbles(runs: dict, cfg: Settings) -> dict:
+    """The planned bubble equals the formula; the replayed one is within 0.05 of it where each rank has a core; on
+    the clock the bubble is at least the replayed one."""
+    p, m = cfg.nproc, cfg.microbatches
+    formula = pipeline.bubble_fraction(p, m)
+    plan = {l: statistics.fmean(pipeline.measured_bubble(planned(median_step(runs[l], cfg), p)).values())
+            for l in TIMED}
+    replayed = {l: bubbles(runs[l], cfg, replayed=True) for l in TIMED}
+    clock = {l: bubbles(runs[l], cfg) for l in TIMED}
+    claim(f"the plans of GPipe and 1F1B idle exactly (p - 1) / (m + p - 1) = {formula:.3f} of a step",
+          all(abs(v - formula) < 1e-9 for v in plan.values()))
+    close = all(abs(b["median"] - formula) <= BUBBLE_TOLERANCE for b in replayed.values())
+    claim(f"replayed from the measured durations, GPipe's and 1F1B's bubbles are within {BUBBLE_TOLERANCE} of the "
+          f"formula (claimed where each rank has a core of its own; else shown only)", close or not cfg.measurable,
+          measured=", ".join(f"{l} {b['median']:.3f} (min {b['min']:.3f}, max {b['max']:.3f})"
+                             for l, b in replayed.items()) +
+          f", median of {replayed[TIMED[0]]['steps']} steps, vs {formula:.3f}; {cfg.cores} cores for {p} ranks")
+    claim("on the clock each bubble is at least its replay's: the rest is time spent waiting for messages",
+          all(clock[l]["median"] >= replayed[l]["median"] for l in TIMED),
+          measured=", ".join(f"{l} {clock[l]['median']:.3f} (+{clock[l]['median'] - replayed[l]['median']:.3f})"
+                             for l in TIMED))
+    return clock
+
+
+# ---------------------------------------------------------------------------------------- 5. memory
+
+
+def saved_bytes(run) -> dict[int, int]:
+    return {int(s): b for res in run.results_by_rank().values() for s, b in res.get("pp_saved_bytes", {}).items()}
+
+
+def claim_memory(runs: dict, cfg: Settings) -> None:
+    """Per stage: GPipe holds all m micro-batches' activations, 1F1B at most min(p - s, m)."""
+    p, m = cfg.nproc, cfg.microbatches
+    gpipe, f1b = saved_bytes(runs["GPipe"]), saved_bytes(runs["1F1B"])
+    if p == 1:
+        claim("one process: no schedule, no stage to compare (the memory claims need NPROC >= 2)", not gpipe)
+        return
+    print(f"{'stage':>5} {'GPipe MiB':>10} {'1F1B MiB':>9} {'1F1B/GPipe':>11} {'bound min(p-s, m)/m':>20}")
+    for s in range(p):
+        print(f"{s:5d} {gpipe[s] / 2**20:10.2f} {f1b[s] / 2**20:9.2f} {f1b[s] / gpipe[s]:11.2f} "
+              f"{min(p - s, m) / m:20.2f}")
+    per_mb = {s: gpipe[s] / m for s in range(p)}  # GPipe holds every micro-batch at once: m of them
+    claim(f"1F1B's stage s holds at most min(p - s, m) micro-batches' activations (GPipe: all {m}), so never more "
+          f"than p = {p}", all(f1b[s] <= min(p - s, m) * per_mb[s] * 1.001 for s in range(p)),
+          measured=", ".join(f"stage {s} {f1b[s] / per_mb[s]:.2f}" for s in range(p)))
+    claim("1F1B's peak activation memory, summed over the stages, is below GPipe's",
+          sum(f1b.values()) < sum(gpipe.values()) or m == 1,
+          measured=f"{sum(f1b.values()) / 2**20:.1f} vs {sum(gpipe.values()) / 2**20:.1f} MiB")
+
+
+# ---------------------------------------------------------------------------------------- 7. DP x PP x TP
+
+MESH_3D = (2, 2, 2)  # (dp, pp, tp) of course/gpt_3d.py's defaults: 8 ranks
+
+
+def print_roles(run) -> None:
+    """Each rank's coordinates on the (dp, pp, tp) mesh, as the ranks printed them."""
+    for r in sorted(run.results_by_rank()):
+        line = next((l for l in run.log(r).splitlines() if f"rank {r}: data shard" in l), f"rank {r}: (no line)")
+        print(line[line.index(f"rank {r}:"):] if f"rank {r}:" in line else line)
+
+
+def claim_3d(runs3: dict) -> None:
+    """The 8-rank curve against one process reading the same global batches; every mesh coordinate once."""
+    curves = {label: losses(run) for label, run in runs3.items()}
+    floor = parity.twin_floor((curves["one process"], curves["one process fp64"]), (curves["3-D"], curves["3-D fp64"]))
+    fp64 = parity.check(curves["3-D fp64"], curves["one process fp64"], floor, bound=parity.fp64_bound(floor))
+    fp32 = parity.check(curves["3-D"], curves["one process"], floor)
+    claim(f"dp x pp x tp = 2 x 2 x 2 on 8 ranks gives one process's loss at every step (fp64 within {parity.K} x "
+          f"floor x 2^-29, fp32 within {parity.K} floors)", fp64["ok"] and fp32["ok"],
+          measured=f"fp64 gap {fp64['gap']:.1e} (bound {fp64['bound']:.1e}), fp32 gap {fp32['gap']:.1e}, "
+                   f"floor {floor:.1e}")
+    roles = sorted((res["dp_rank"], res["pp_stages"][0], res["tp_rank"])
+                   for res in runs3["3-D"].results_by_rank().values())
+    want = [(d, p, t) for d in range(MESH_3D[0]) for p in range(MESH_3D[1]) for t in range(MESH_3D[2])]
+    claim("each of the 8 ranks holds a different (data shard, stage, tensor shard): the mesh covers every "
+          "combination once", roles == want)
+
+
+# ---------------------------------------------------------------------------------------- 8. choosing a layout
+
+GB = 1e9
+GIB = 2 ** 30
+GPU_BYTES = 80 * GIB  # an H100 SXM's 80 GB (GiB as the CUDA allocator counts)
+GPUS_PER_NODE = 8
+# GPT-3's family (Brown et al. 2020, arXiv:2005.14165, Table 2.1): layers, width, heads, and the batch in sequences of
+# 2048 tokens (0.5M, 1M and 3.2M tokens); 13B's width rounded from 5140 to 5120 so that its 40 heads divide it
+SCENARIOS = (
+    ("GPT-3 XL 1.3B", dict(vocab=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048, attention="sdpa"), 8, 512),
+    ("GPT-3 13B", dict(vocab=50257, seq_len=2048, n_layer=40, n_head=40, d_model=5120, attention="sdpa"), 64, 1024),
+    ("GPT-3 175B", dict(vocab=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288, attention="sdpa"), 1024,
+     1536),
+)
+MEGATRON_175B = dict(dp=16, tp=8, pp=8, microbatches=96)  # TP inside a node, PP across nodes, DP outermost
+
+
+def _layout(l: dict) -> str:
+    return (f"dp {l['dp']} x tp {l['tp']} x pp {l['pp']}, ZeRO-{l['zero']}, checkpoint {l['checkpoint']}"
+            + (", sequence parallel" if l["sp"] else "") + f", {l['microbatches']} micro-batches")
+
+
+def show_proposals() -> None:
+    """For each scenario: the layout :func:`helpers.calc.plan.propose` puts first, and the best one without model
+    parallelism (tp = pp = 1), with memory per GPU and the modelled step time."""
+    from ...calc import plan
+
+    print(f"bf16 weights, fp32 master copy and Adam (K = 12), flash attention, micro-batches of 1 sequence; "
+          f"{GPU_BYTES / GIB:.0f} GiB per GPU, {plan.USABLE:.0%} of it usable, {GPUS_PER_NODE} GPUs per node")
+    needs_mp = {}
+    for name, shape, gpus, batch in SCENARIOS:
+        fits = plan.propose(shape, gpu_bytes=GPU_BYTES, n_gpus=gpus, gpus_per_node=GPUS_PER_NODE, global_batch=batch)
+        dp_only = [f for f in fits if f["layout"]["tp"] == f["layout"]["pp"] == 1]
+        needs_mp[name] = (not dp_only, bool(fits) and fits[0]["layout"]["tp"] * fits[0]["layout"]["pp"] > 1)
+        print(f"\n{name} on {gpus} GPUs, {batch} sequences a step: {len(fits)} layouts fit")
+        for tag, f in (("proposed", fits[0] if fits else None), ("DP only ", dp_only[0] if dp_only else None)):
+            if f is None:
+                why = f"{gpus} ranks do not split {batch} sequences" if batch % gpus else "none fits in memory"
+                print(f"  {tag}: none ({why})")
+                continue
+            if tag != "proposed" and f is fits[0]:
+                print(f"  {tag}: the same")
+                continue
+            t = f["seconds"]
+            print(f"  {tag}: {_layout(f['layout'])}\n            {f['bytes'] / GIB:5.1f} GiB per GPU, step "
+                  f"{t['total']:.2f} s (compute {t['compute']:.2f}, TP {t['tp']:.2f}, exposed DP "
+                  f"{t['dp_exposed']:.2f}, bubble {t['bubble']:.0%})")
+    small, large = [n for n, _, _, _ in SCENARIOS[:-1]], SCENARIOS[-1][0]
+    claim(f"{' and '.join(small)}: the proposal needs no model parallelism (tp = pp = 1); {large}: it uses TP",
+          all(not any(needs_mp[n]) for n in small) and needs_mp[large][1])
+
+
+def predicted_3d(run) -> list[dict]:
+    """The calculator's per-stage memory for the layout the 3-D run used (fp32, ZeRO-0: DP by hand)."""
+    from ...calc import plan
+
+    r, g = run.result, run.result["gpt"]
+    shape = dict(vocab=g["vocab_size"], seq_len=g["seq_len"], n_layer=g["n_layer"], n_head=g["n_head"],
+                 d_model=g["d_model"], attention=g["attention"])
+    m = r["pp_microbatches"]
+    return plan.rank_memory(shape, dp=r["dp_degree"], tp=r["tp_degree"], pp=r["pp_degree"], zero=0,
+                            checkpoint=g["checkpoint"], micro_batch=r["global_batch"] // r["dp_degree"] // m,
+                            microbatches=m, schedule=r["pp_schedule"], precision="fp32", step_counters=True)
+
+
+def claim_prediction(runs3: dict) -> None:
+    """The calculator's per-rank memory against what each of the 8 ranks measured: model states exactly (AdamW's
+    step counters included), activations within the formula tolerance of notebook 08."""
+    from .activations import FORMULA_TOLERANCE
+
+    predicted = predicted_3d(runs3["3-D"])
+    print(f"{'rank':>4} {'stage':>5} {'states KiB':>10} {'formula':>8} {'activations KiB':>15} {'formula':>8} "
+          f"{'ratio':>6}")
+    exact, ratios = [], []
+    for rank, res in runs3["3-D"].results_by_rank().items():
+        stage = res["pp_stages"][0]
+        want, got = predicted[stage], res["rank_state_bytes"]
+        states = sum(got.values())
+        act = res["pp_saved_bytes"][str(stage)]
+        exact.append(got == {"params": want["params_bytes"], "grads": want["grads"], "optimizer": want["optimizer"]})
+        ratios.append(act / want["activations"])
+        print(f"{rank:4d} {stage:5d} {states / 1024:10.1f} {(want['total'] - want['activations']) / 1024:8.1f} "
+              f"{act / 1024:15.1f} {want['activations'] / 1024:8.1f} {ratios[-1]:6.3f}")
+    claim("each rank's parameters, gradients and AdamW state are the calculator's bytes exactly", all(exact),
+          measured=f"{sum(exact)} of {len(exact)} ranks")
+    claim(f"each rank's peak activations (1F1B: min(p - s, m) micro-batches in flight) within 1 +- "
+          f"{FORMULA_TOLERANCE} of the calculator's", all(abs(x - 1) <= FORMULA_TOLERANCE for x in ratios),
+          measured=f"{min(ratios):.3f} - {max(ratios):.3f}")
+
+
+def bandwidth_here() -> float | None:
+    """The peak bus bandwidth notebook 00 measured on this machine (its newest 00_bandwidth run), GB/s."""
+    from ... import launch
+
+    runs = sorted((launch.runs_root() / "00_bandwidth").glob("*/metrics.jsonl"))
+    if not runs:
+        return None
+    steps = [r for r in metrics.read_metrics(runs[-1].parent) if r.get("kind") == "step"]
+    return max((r["busbw_gbs"] for r in steps), default=None) or None
+
+
+def axis_costs() -> tuple[dict, float]:
+    """Bytes per step and rank on each axis of GPT-3 175B in Megatron's shape, and the step's modelled compute."""
+    from ...calc import plan
+
+    _, shape, _, batch = SCENARIOS[-1]
+    lay = MEGATRON_175B
+    comm = plan.step_comm_bytes(shape, dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], microbatches=lay["microbatches"],
+                                precision="mixed")
+    full = dict(lay, zero=1, checkpoint="none", sp=True)
+    compute = plan.step_seconds(shape, full, global_batch=batch, micro_batch=1, gpus_per_node=GPUS_PER_NODE)["compute"]
+    return comm, compute
+
+
+def claim_axis_costs() -> None:
+    """The table of bytes and seconds per axis over NVLink and InfiniBand, and the claim that TP needs NVLink."""
+    from ...calc import plan
+
+    comm, compute = axis_costs()
+    lay, links = MEGATRON_175B, {"NVLink": plan.H100_NODE["nvlink"], "InfiniBand": plan.H100_NODE["network"]}
+    print(f"{SCENARIOS[-1][0]}, dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, {lay['microbatches']} micro-batches "
+          f"of 1 sequence; compute {compute:.1f} s a step (modelled); seconds to send each axis's bytes over:")
+    print(f"{'axis':>4} {'GB/step':>8}" + "".join(f" {f'{k} {v / GB:.0f} GB/s':>20}" for k, v in links.items()))
+    for axis, b in comm.items():
+        print(f"{axis:>4} {b / GB:8.1f}" + "".join(f" {b / v:20.2f}" for v in links.values()))
+    claim("TP moves the most bytes of the three axes: over NVLink a fraction of the compute, over InfiniBand more "
+          "than all of it", comm["tp"] > max(comm["pp"], comm["dp"])
+          and comm["tp"] / links["NVLink"] < 0.25 * compute < compute < comm["tp"] / links["InfiniBand"],
+          measured=f"TP {comm['tp'] / GB:.0f} GB, PP {comm['pp'] / GB:.1f} GB, DP {comm['dp'] / GB:.1f} GB")
+
+
+def show_here() -> None:
+    """The same bytes at the all-reduce bandwidth notebook 00 measured on this machine."""
+    comm, _ = axis_costs()
+    here = bandwidth_here()
+    if not here:
+        print("notebook 00 has not run here yet: run it for this machine's all-reduce bandwidth")
+        return
+    print(f"this machine (notebook 00's all-reduce, {here:.2f} GB/s): " +
+          ", ".join(f"{axis.upper()} {b / GB / here:,.0f} s" for axis, b in comm.items()) + " a step")
+
+
+# ---------------------------------------------------------------------------------------- 6. bad input
+
+
+def claim_refusals() -> None:
+    from ... import launch
+
+    cases = [(4, ["--n-layer", "6"]), (2, ["--microbatches", "3"]), (4, ["--microbatches", "2"]),
+             (2, ["--schedule", "dualpipev", "--microbatches", "2"])]
+    found = []
+    for n, args in cases:
+        try:
+            launch.LaunchSpec.check("torchrun", COURSE / "gpt_pp.py", n, args, machine=launch.Machine(gpus=0, cpus=8))
+            found.append((f"{n} ranks, {' '.join(args)}", "accepted"))
+        except launch.LaunchError as e:
+            found.append((f"{n} ranks, {' '.join(args)}", str(e)))
+    for given, message in found:
+        print(f"{given:38s} -> {message}")
+    claim("each bad input is refused before any rank starts, with the value to change",
+          all(m != "accepted" and " use " in m for _, m in found))

@@ -1,0 +1,58 @@
+"""Notebook 10's exercises: the bubble fraction (an answer check), and the 1F1B order of one stage written by hand,
+run on real gloo ranks against what torch's Schedule1F1B executes; the reference passes and each classic mistake
+gets its own hint."""
+import pytest
+
+from helpers.calc import pipeline
+from helpers.notebook.exercises import write, write_pp
+
+
+def test_the_right_bubble_passes_and_each_slip_gets_its_hint():
+    right = pipeline.bubble_fraction(4, 12)
+    assert write.check_bubble(right, p=4, m=12) and write.check_bubble(0.2, p=4, m=12)
+    for answer, hint in ((3 / 12, "idle over busy"), (1 - right, "busy fraction"), (0.5, "fills and drains")):
+        verdict = write.check_bubble(answer, p=4, m=12)
+        assert not verdict and hint in verdict.hint, verdict
+    assert not write.check_bubble("small", p=4, m=12) and not write.check_bubble(True, p=4, m=12)
+
+
+def test_the_outline_is_answered_without_a_launch(monkeypatch):
+    monkeypatch.setattr(write_pp, "run_on_ranks", lambda *a, **k: pytest.fail("launched an outline"))
+    verdict = write.check_1f1b_order("def one_f_one_b(stage, p, m):\n    # warm-up, steady, cool-down\n    ...\n")
+    assert not verdict and "nothing was launched" in verdict.message
+
+
+SOLUTION = write.solution("one_f_one_b")
+MISTAKES = {  # (text in the solution, what a learner writes instead, words of the hint)
+    "GPipe's order": ("    warm = min(p - 1 - stage, m)", "    warm = m", "That is GPipe"),
+    "a warm-up one too long": ("    warm = min(p - 1 - stage, m)", "    warm = min(p - stage, m)", "Warm-up"),
+    "a micro-batch forgotten": ("for i in range(m - warm, m)]", "for i in range(m - warm, m - 1)]",
+                                "exactly one forward and one backward"),
+    "backward before forward in the steady state": ('order += [("F", i), ("B", i - warm)]',
+                                                    'order += [("B", i - warm), ("F", i)]', "a forward followed by"),
+}
+
+
+def test_the_reference_matches_torchs_order_for_every_stage_without_ranks():
+    """The reference against the planned orders the lessons simulate (no launch): the plan's bubble is the formula."""
+    solve = {}
+    exec(SOLUTION, solve)
+    for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (3, 5)):
+        orders = {s: [(k, s, i) for k, i in solve["one_f_one_b"](s, p, m)] for s in range(p)}
+        bubbles = pipeline.measured_bubble(pipeline.simulate(orders, p))
+        assert all(b == pytest.approx(pipeline.bubble_fraction(p, m)) for b in bubbles.values())
+
+
+@pytest.mark.slow
+def test_the_reference_passes():
+    verdict = write.check_1f1b_order(SOLUTION, nproc=2)
+    assert verdict, verdict
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_each_1f1b_mistake_gets_its_hint(mistake):
+    old, new, hint = MISTAKES[mistake]
+    assert old in SOLUTION
+    verdict = write.check_1f1b_order(SOLUTION.replace(old, new), nproc=2)
+    assert not verdict and hint in verdict.hint, verdict
