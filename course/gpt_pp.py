@@ -11,8 +11,8 @@ The GPT is cut into balanced stages (helpers.rank.pipeline.Stage): equal numbers
 the embeddings on the first stage, the final LayerNorm and the head on the last (a few ten thousand parameters
 beside the blocks' hundreds of thousands each). One stage per rank, two for the interleaved and V-shaped schedules.
 Each step cuts the batch into --microbatches micro-batches; every rank sees the same batch: the first stage reads
-the tokens, the last the targets. The loss exists only where the head is, on the last stage (rank WORLD_SIZE - 1, rank 0 for the V shapes):
-that rank broadcasts the mean micro-batch loss so rank 0 can log it (pytorch/torchtitan#547). Every forward and
+the tokens, the last the targets. The loss exists only where the head is, on the last stage (rank WORLD_SIZE - 1,
+rank 0 for the V shapes): that rank broadcasts the mean micro-batch loss so rank 0 can log it (pytorch/torchtitan#547). Every forward and
 backward action of every micro-batch is timed on every rank (the timeline the notebook draws).
 """
 import time
@@ -86,7 +86,8 @@ def train(args, rank, world_size, device):
     log0(f"world_size={world_size} schedule={args.schedule if schedule else 'none (one process)'} "
          f"stages={n_stages} ({args.n_layer // n_stages} blocks each) micro-batches={args.microbatches} "
          f"params on rank 0={params} loss on rank {last_rank}")
-    meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size, skip=args.skip_steps)
+    meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size, skip=args.skip_steps,
+                          profile=args.profile_steps)
     batches = iter(loader)
     for step in meter.steps():
         x, y = next(batches)

@@ -71,6 +71,14 @@ def parser(description: str, *, steps: int | None = None, test_size: int | None 
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--skip-steps", type=int, default=5,
                    help="warm-up steps left out of samples_per_s: allocator, first bucketing and all-reduce, compile")
+    return profile_flag(p)
+
+
+def profile_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--profile-steps N``: profile N steady-state steps (after ``--skip-steps``) with ``torch.profiler`` and write
+    one Chrome trace per rank into the run directory (:class:`Meter`)."""
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps after the warm-up ones; a trace per rank in the run directory")
     return p
 
 
@@ -224,12 +232,15 @@ class Meter:
     ``total``: the step the run ends at; ``start``: the step it starts after (a resumed run), so this run does
     ``total - start`` steps and its first is ``start + 1``. ``samples_per_step``: samples of one step, all ranks.
     ``skip``: warm-up steps of this run left out of ``samples_per_s``. ``memory``: sample RSS (and CUDA) memory
-    into each step record. ``comm``: a :class:`CommCounter` reset after the first step.
+    into each step record. ``comm``: a :class:`CommCounter` reset after the first step. ``profile``: profile that
+    many steps after the ``skip`` warm-up ones (the last warm-up step is the profiler's own warm-up) and write
+    ``trace_rank<RANK>.json`` (Chrome trace format) into the run directory ($HELPERS_RUN_DIR, else the working
+    directory); each profiled step is a ``ProfilerStep#`` span.
     """
 
     def __init__(self, total: int, device, world_size: int, *, samples_per_step: int, skip: int = 5, start: int = 0,
                  memory: bool = False, comm: CommCounter | None = None, log_every: int = 20,
-                 reporter: Reporter | None = None):
+                 reporter: Reporter | None = None, profile: int = 0):
         self.rep = reporter or Reporter()
         self.device, self.world_size, self.samples_per_step = device, world_size, samples_per_step
         self.total, self.start, self.done = total, start, start
@@ -240,6 +251,11 @@ class Meter:
         self._t0 = self._began = None
         self.summary: dict = {}
         self._comm = None
+        if profile < 0:
+            raise ValueError(f"--profile-steps must be 0 or more, got {profile}")
+        self.profile = min(profile, total - start - self.skip)  # no more than the steady steps there are
+        self._prof = None
+        self.trace_path: str | None = None
         self.rep.total(total - start, start=start)  # the launcher's progress bar
 
     @property
@@ -248,9 +264,32 @@ class Meter:
         return self.done + 1
 
     def _begin(self) -> None:
+        if self.profile and self._prof is None and self.current == self.start + max(self.skip, 1):
+            self._start_profiler()
         self._t0 = time.perf_counter()
         if self._began is None:
             self._began = self._t0
+
+    def _start_profiler(self) -> None:
+        import os
+        from pathlib import Path
+
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        from .metrics import RUN_DIR_ENV
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        path = Path(os.environ.get(RUN_DIR_ENV) or ".") / f"trace_rank{rank}.json"
+        warmup = 1 if self.skip else 0  # the last warm-up step warms the profiler up, outside the trace
+
+        def export(prof):
+            prof.export_chrome_trace(str(path))
+            self.trace_path = str(path)
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._prof = profile(activities=activities, on_trace_ready=export,
+                             schedule=schedule(wait=0, warmup=warmup, active=self.profile, repeat=1))
+        self._prof.start()
 
     def batches(self, loader):
         """The loader's batches until the run's last step; each step's clock starts before its batch is fetched."""
@@ -284,6 +323,10 @@ class Meter:
         if epoch is not None:
             extra["epoch"] = epoch
         self.rep.step(self.done, loss=loss, samples=samples, step_s=step_s, **extra)
+        if self._prof is not None and self.trace_path is None:
+            self._prof.step()
+            if self.trace_path is not None:  # the last profiled step: the trace is written, the profiler done
+                self._prof.stop()
         if self.done % self.log_every == 0 or self.done == self.total:
             shown = "".join(f" {k} {fields[k]:{f}}" for k, f in (("grad_norm", ".3f"), ("lr", ".2e")) if k in fields)
             log0(f"{'' if epoch is None else f'epoch {epoch} '}step {self.done}/{self.total} loss {loss:.4f}{shown}")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import memcap
 from .gpt import ATTENTIONS, CHECKPOINTS, GPT, GPTConfig
-from .harness import DTYPES  # the plain PyTorch scripts' --dtype: fp64 only to measure fp32 rounding
+from .harness import DTYPES, profile_flag  # DTYPES: the plain PyTorch scripts' --dtype (fp64 only to measure fp32 rounding)
 from .runtime import log0
 from .text import announcement, text_datasets
 
@@ -48,7 +48,7 @@ def parser(description: str, *, steps: int = 40) -> argparse.ArgumentParser:
                    help="math: softmax(q k^T) v written out (saves the s x s scores); sdpa: the flash kernel")
     p.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
                    help="activation checkpointing: selective (the attention core) or full (every block)")
-    return p
+    return profile_flag(p)
 
 
 def gpt_config(args, vocab_size: int) -> GPTConfig:

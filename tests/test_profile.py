@@ -1,0 +1,110 @@
+"""The harness's profiling switch (--profile-steps): every course script offers it, the Meter profiles exactly the
+steady-state steps asked for and writes a Chrome trace per rank, and the notebook side reads, merges and draws them
+(real gloo ranks in the slow test)."""
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+
+from helpers import launch
+from helpers.calc import traces as calc
+
+COURSE = launch.PROJECT_ROOT / "course"
+
+
+def meter_calls():
+    for path in sorted(COURSE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Meter":
+                yield path.name, node
+
+
+def test_every_training_loop_passes_the_profile_flag_to_its_meter():
+    calls = list(meter_calls())
+    assert len(calls) >= 10, [n for n, _ in calls]  # the finder finds the scripts' meters
+    missing = [name for name, node in calls if "profile" not in {k.arg for k in node.keywords}
+               and name != "gpt_memory.py"]  # gpt_memory.py times checkpointing modes, not a training loop
+    assert missing == []
+
+
+def test_the_meter_profiles_the_steady_steps_asked_for_and_nothing_else(tmp_path, monkeypatch):
+    import torch
+
+    from helpers.rank import harness
+
+    monkeypatch.setenv("HELPERS_RUN_DIR", str(tmp_path))
+    x = torch.randn(64, 64)
+    meter = harness.Meter(7, torch.device("cpu"), 1, samples_per_step=1, skip=3, profile=2)
+    for _ in meter.steps():
+        with torch.profiler.record_function(f"work at step {meter.current}"):
+            (x @ x).sum()
+        meter.step(loss=0.0, samples=1)
+    trace = json.loads((tmp_path / "trace_rank0.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert sorted(n for n in names if n.startswith("work at")) == ["work at step 4", "work at step 5"]
+    assert meter.trace_path == str(tmp_path / "trace_rank0.json")
+    with pytest.raises(ValueError, match="--profile-steps must be 0 or more"):
+        harness.Meter(7, torch.device("cpu"), 1, samples_per_step=1, profile=-1)
+
+
+def test_without_the_flag_no_profiler_runs(tmp_path, monkeypatch):
+    import torch
+
+    from helpers.rank import harness
+
+    monkeypatch.setenv("HELPERS_RUN_DIR", str(tmp_path))
+    meter = harness.Meter(3, torch.device("cpu"), 1, samples_per_step=1, skip=1)
+    for _ in meter.steps():
+        meter.step(loss=0.0, samples=1)
+    assert meter._prof is None and not list(tmp_path.glob("trace_rank*.json"))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_write_traces_the_notebook_merges_splits_and_draws(runs_root):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from helpers.notebook import traces
+
+    run = launch.torchrun(COURSE / "gpt_train.py", nproc=2, show="none", timeout=300, stall_timeout=120,
+                          args=["--steps", "6", "--skip-steps", "2", "--profile-steps", "2", "--dataset",
+                                "generated"])
+    loaded = traces.load(run)
+    assert sorted(loaded) == [0, 1]
+    comm = [s for s in calc.spans_of(loaded) if s["kind"] == "comm"]
+    assert {s["name"] for s in comm} == {"gloo:all_reduce"} and {s["rank"] for s in comm} == {0, 1}
+    assert all(not s["main"] for s in comm)  # gloo runs its collectives on worker threads, beside the main thread
+    split = traces.split(run)
+    for rank, rows in split.items():
+        assert len(rows) == 2
+        assert all(r["compute"] > 0 and r["comm"] > 0 and 0 <= r["exposed"] <= r["comm"] <= r["span"] for r in rows)
+    merged = json.loads(traces.write_merged(run).read_text())
+    lanes = {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
+    assert lanes == {"rank 0", "rank 1"}
+    fig = traces.plot_step(run, step=1)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+    with pytest.raises(ValueError, match="step 5 was not profiled"):
+        traces.plot_step(run, step=5)
+
+
+@pytest.mark.slow
+def test_one_allreduce_after_backward_gives_ddps_losses_and_its_trace_shows_one_collective(runs_root):
+    """gpt_train.py --overlap none (no_sync, then one flat all-reduce) against DDP's buckets: on 2 ranks a sum of two
+    numbers does not depend on its order, so the losses agree bitwise; the trace shows one all-reduce per step."""
+    from helpers.notebook import traces
+
+    common = ["--steps", "4", "--skip-steps", "1", "--profile-steps", "2", "--dataset", "generated",
+              "--n-layer", "4", "--d-model", "64", "--seq-len", "64"]
+    runs = {mode: launch.torchrun(COURSE / "gpt_train.py", nproc=2, show="none", timeout=300, stall_timeout=120,
+                                  args=common + extra)
+            for mode, extra in (("buckets", ["--bucket-cap-mb", "0.05"]), ("none", ["--overlap", "none"]))}
+    curves = {m: [s["loss"] for s in r.metrics if s.get("kind") == "step" and s["rank"] == 0] for m, r in runs.items()}
+    assert len(curves["none"]) == 4 and curves["none"] == curves["buckets"]
+    per_step = {m: [sum(1 for s in calc.spans_of(traces.load(r)) if s["kind"] == "comm" and s["rank"] == 0) / 2]
+                for m, r in runs.items()}
+    assert per_step["none"] == [1.0] and per_step["buckets"][0] > 1  # small buckets: several all-reduces a step
+    assert runs["none"].result["overlap"] == "none" and runs["buckets"].result["bucket_cap_mb"] == 0.05
