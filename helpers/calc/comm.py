@@ -47,3 +47,39 @@ def bytes_sent_per_rank(op: str, message_bytes: float, world_size: int) -> float
     if op in ("all_gather_into_tensor", "all_gather"):
         return message_bytes * (n - 1)
     return float(message_bytes)
+
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> dict:
+    """The alpha-beta model of one collective on one machine, ``time = alpha + beta x bytes``, fitted by least
+    squares to measured (message size, seconds) pairs; returns ``alpha`` (s: the fixed cost, latency and
+    software), ``beta`` (s per byte), ``bandwidth`` (1 / beta, GB/s, of the collective's message, what nccl-tests
+    calls algbw at large sizes) and ``residuals`` (measured / fitted - 1 per point).
+
+    The points are weighted by 1 / time, so that a 1 KiB message's 50 us counts as much as a 16 MiB message's
+    30 ms (a plain fit would let the large messages decide alpha alone).
+
+    >>> r = fit_alpha_beta([1e3, 1e6, 1e7], [1e-4 + 1e3 / 1e9, 1e-4 + 1e6 / 1e9, 1e-4 + 1e7 / 1e9])
+    >>> round(r["alpha"] * 1e6, 3), round(r["bandwidth"], 3)
+    (100.0, 1.0)
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"need two or more (size, seconds) pairs, got {len(sizes)} and {len(seconds)}")
+    if len(set(sizes)) < 2 or min(seconds) <= 0:
+        raise ValueError("need at least two different sizes and positive times")
+    w = [1.0 / t for t in seconds]  # relative errors: each point weighs as much as the others
+    sw = sum(x * x for x in w)
+    sx = sum(x * x * n for x, n in zip(w, sizes))
+    sxx = sum(x * x * n * n for x, n in zip(w, sizes))
+    sy = sum(x * x * t for x, t in zip(w, seconds))
+    sxy = sum(x * x * n * t for x, n, t in zip(w, sizes, seconds))
+    det = sw * sxx - sx * sx
+    beta = (sw * sxy - sx * sy) / det
+    alpha = (sy - beta * sx) / sw
+    fitted = [alpha + beta * n for n in sizes]
+    return {"alpha": alpha, "beta": beta, "bandwidth": (1.0 / beta / 1e9) if beta > 0 else float("inf"),
+            "residuals": [t / f - 1 for t, f in zip(seconds, fitted)]}
+
+
+def predict_seconds(fit: dict, message_bytes: float, count: int = 1) -> float:
+    """``count`` collectives of ``message_bytes`` each by a :func:`fit_alpha_beta` model."""
+    return count * (fit["alpha"] + fit["beta"] * message_bytes)
