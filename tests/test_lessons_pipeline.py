@@ -218,3 +218,17 @@ def test_this_machines_bandwidth_is_read_from_notebook_00s_newest_run(tmp_path, 
         rows = [{"kind": "step", "rank": 0, "step": i, "busbw_gbs": b} for i, b in enumerate((0.01, best))]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert lesson.bandwidth_here() == 0.57
+
+
+def test_the_stage_table_checks_rank_0s_parameters_against_the_formula(capsys):
+    from helpers.calc import plan
+
+    gpt = dict(vocab_size=29, seq_len=256, n_layer=12, n_head=4, d_model=128)
+    shape = dict(vocab=29, seq_len=256, n_layer=12, n_head=4, d_model=128)
+    for p in (1, 2, 3, 4):
+        right = FakeRun({0: dict(gpt=gpt, params=plan.stage_params(shape, p, 0))})
+        lesson.show_stages(right, cfg(p, 4))
+        out = capsys.readouterr().out
+        assert out.count("stage ") >= p and list(dict(checks.parse(out)).values()) == [True]
+    lesson.show_stages(FakeRun({0: dict(gpt=gpt, params=plan.stage_params(shape, 1, 0))}), cfg(2, 4))
+    assert list(verdicts(capsys).values()) == [False]  # rank 0 holding the whole model: no pipeline split

@@ -86,6 +86,10 @@ def test_communication_per_axis_vanishes_without_the_axis_and_grows_with_it():
     assert two["pp"] == 2 * 2 * act
     assert two["dp"] == 4 * plan.stage_params(TINY, 2, 0, 2) * 2 * 1 / 2
     assert plan.step_comm_bytes(TINY, dp=2, zero=3)["dp"] == 1.5 * plan.step_comm_bytes(TINY, dp=2)["dp"]
+    # accumulation: ZeRO-0/1 reduce once per step, ZeRO-2 and -3 once per micro-batch
+    for zero, per_mb in ((0, False), (1, False), (2, True), (3, True)):
+        one, four = (plan.step_comm_bytes(TINY, dp=2, zero=zero, microbatches=m)["dp"] for m in (1, 4))
+        assert four == (4 * one if per_mb else one)
 
 
 def test_the_step_model_charges_recomputation_the_bubble_and_tp():

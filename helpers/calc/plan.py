@@ -160,8 +160,8 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
                  precision: str = "mixed", hardware: dict = H100_NODE) -> dict:
     """A step's time on ``hardware`` by a first-order model (the Playbook's step 3, "optimise throughput"):
 
-    * ``compute``: 6 N + 12 L h s FLOPs per token (Kaplan et al. 2020's count: matmuls and attention), over the
-      GPUs at ``efficiency`` of peak; full checkpointing runs the forward again (x 4/3); divided by
+    * ``compute``: 6 N + 12 L h s FLOPs per token (the matmuls, forward and backward, and the attention scores:
+      Narayanan et al. 2021's count, Sec. 5.1), over the GPUs at ``efficiency`` of peak; full checkpointing runs the forward again (x 4/3); divided by
       ``1 - bubble`` for a pipeline;
     * ``tp``: the TP all-reduces (:func:`step_comm_bytes`) over NVLink, in the critical path of every layer;
     * ``dp``: the gradient all-reduce (ZeRO-3: and the gathers) over the network when the run spans nodes, NVLink
@@ -213,13 +213,16 @@ def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, g
 
 def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
                     microbatches: int = 1, precision: str = "fp32", zero: int = 0) -> dict:
-    """Bytes one rank sends per step on each axis (the first stage's rank, which holds the most):
+    """Bytes one rank sends per step on each axis (a rank of the first stage, which holds the most parameters;
+    for ``pp``, a middle stage's, which sends both ways):
 
     * ``tp``: 4 all-reduces of a micro-batch's activations (s b h) per block, two in forward (after the attention
       projection and the MLP's down matrix) and two in backward, each ``2 (tp - 1) / tp`` of the tensor;
-    * ``pp``: the activation sent forward and the gradient sent back, per micro-batch and stage boundary;
-    * ``dp``: the stage's gradients all-reduced once per step, ``2 (dp - 1) / dp`` of them (ZeRO-3: 1.5x, the
-      parameters gathered again for forward and backward).
+    * ``pp``: the activation sent forward and the gradient sent back, per micro-batch;
+    * ``dp`` over the stage's ``n`` gradient bytes, by ZeRO stage: 0 and 1 all-reduce the accumulated gradients
+      once per step, ``2 (dp - 1) / dp x n``; 2 reduce-scatters each micro-batch's gradients as they are produced
+      (it keeps only its shard), ``m (dp - 1) / dp x n``; 3 also all-gathers the parameters for each micro-batch's
+      forward and again for its backward, ``3 m (dp - 1) / dp x n`` (ZeRO's 1.5x of DP, once per micro-batch).
     """
     e = activations.DTYPE_BYTES[_dtype(precision)]
     s, h = shape["seq_len"], shape["d_model"]
@@ -228,4 +231,4 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
     grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp)
     return {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
             "pp": microbatches * 2 * act if pp > 1 else 0.0,
-            "dp": grads * 2 * (dp - 1) / dp * (1.5 if zero == 3 else 1.0)}
+            "dp": grads * (dp - 1) / dp * {0: 2, 1: 2, 2: microbatches, 3: 3 * microbatches}[zero]}

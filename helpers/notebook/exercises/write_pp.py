@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...calc import pipeline
 from ..i18n import _
-from . import Verdict, _never_raises, _not_a_number
+from . import Verdict, _never_raises
 from .ranks import PREAMBLE, function_source, is_stub, launch_problem, run_on_ranks, stub_verdict
 
 PREAMBLE.setdefault("one_f_one_b", "")  # a pure function of (stage, p, m): nothing to import
@@ -67,7 +67,9 @@ def check_1f1b_order(one_f_one_b, nproc: int = 2) -> Verdict:
 def check_bubble(answer, *, p: int, m: int) -> Verdict:
     """The idle fraction of a GPipe or 1F1B step: (p - 1) / (m + p - 1), within 1%."""
     if isinstance(answer, bool) or not isinstance(answer, (int, float)):
-        return _not_a_number(answer)
+        return Verdict(False, _("expected a fraction of a step (a number between 0 and 1), got {answer!r} "
+                                "({answer_type}).", answer=answer, answer_type=type(answer).__name__),
+                       _("Answer with a number such as 0.25."))
     right = pipeline.bubble_fraction(p, m)
     close = lambda value: abs(answer - value) <= 0.01 * max(value, 1e-9)  # noqa: E731
     if close(right):

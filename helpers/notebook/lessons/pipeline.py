@@ -115,7 +115,8 @@ def show_feasibility() -> None:
         what = rec["status"] if rec["status"] == "runs" else f"{rec['status']}: {rec['error']} ({rec['issue']})"
         print(f"  {cls:31s} {per_rank} stage(s)/rank, {'V' if place == 'v' else 'looped'}: {what}{extra}")
     recorded = {cls for cls, _, _ in pipeline.SCHEDULES.values()}
-    claim("every schedule torch.distributed.pipelining offers is in the record, and each runs on gloo",
+    claim("the record of tests/test_pp_schedules.py lists every schedule torch.distributed.pipelining offers, each "
+          "as running on gloo",
           recorded == set(torch_schedules()) and all(r["status"] == "runs" for r in pipeline.FEASIBILITY.values()),
           measured=f"{len(recorded)} recorded, {len(torch_schedules())} in torch")
 
@@ -143,6 +144,22 @@ def claim_losses(runs: dict) -> dict:
           all(r["ok"] for r in fp32.values()),
           measured=", ".join(f"{l} {r['gap']:.1e}" for l, r in fp32.items()) + f"; floor {floor:.1e}")
     return curves
+
+
+def show_stages(run, cfg: Settings) -> None:
+    """Each stage's blocks and parameters by the formula (:func:`helpers.calc.plan.stage_params`), and rank 0's
+    own count against it."""
+    from ...calc import plan
+
+    g = run.result["gpt"]
+    shape = dict(vocab=g["vocab_size"], seq_len=g["seq_len"], n_layer=g["n_layer"], n_head=g["n_head"],
+                 d_model=g["d_model"])
+    counts = [plan.stage_params(shape, cfg.nproc, s) for s in range(cfg.nproc)]
+    for s, (blocks, n) in enumerate(zip(pipeline.stage_layers(g["n_layer"], cfg.nproc), counts)):
+        extra = ", ".join(x for x, on in (("embeddings", s == 0), ("final LayerNorm + head", s == cfg.nproc - 1)) if on)
+        print(f"stage {s}: blocks {blocks[0]}-{blocks[-1]}{' + ' + extra if extra else ''}: {n:,} parameters")
+    claim("rank 0 holds exactly the formula's parameters of stage 0", run.result["params"] == counts[0],
+          measured=f"{run.result['params']:,}")
 
 
 def claim_loss_rank(run, cfg: Settings) -> None:
@@ -266,7 +283,8 @@ def claim_bubbles(runs: dict, cfg: Settings) -> dict:
           measured=", ".join(f"{l} {b['median']:.3f} (min {b['min']:.3f}, max {b['max']:.3f})"
                              for l, b in replayed.items()) +
           f", median of {replayed[TIMED[0]]['steps']} steps, vs {formula:.3f}; {cfg.cores} cores for {p} ranks")
-    claim("on the clock each bubble is at least its replay's: the rest is time spent waiting for messages",
+    claim("on the clock each bubble is at least its replay's (no action started before its inputs existed); the "
+          "difference is what the replay leaves out: waits for messages, the loss, the schedule's own work",
           all(clock[l]["median"] >= replayed[l]["median"] for l in TIMED),
           measured=", ".join(f"{l} {clock[l]['median']:.3f} (+{clock[l]['median'] - replayed[l]['median']:.3f})"
                              for l in TIMED))
@@ -351,34 +369,41 @@ def _layout(l: dict) -> str:
             + (", sequence parallel" if l["sp"] else "") + f", {l['microbatches']} micro-batches")
 
 
+def _row(tag: str, f: dict) -> str:
+    t = f["seconds"]
+    return (f"  {tag}: {_layout(f['layout'])}\n            {f['bytes'] / GIB:5.1f} GiB per GPU, step "
+            f"{t['total']:.2f} s (compute {t['compute']:.2f}, TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, "
+            f"bubble {t['bubble']:.0%})")
+
+
 def show_proposals() -> None:
     """For each scenario: the layout :func:`helpers.calc.plan.propose` puts first, and the best one without model
-    parallelism (tp = pp = 1), with memory per GPU and the modelled step time."""
+    parallelism (tp = pp = 1), with memory per GPU and the modelled step time; for 175B also Megatron-LM's layout."""
     from ...calc import plan
 
-    print(f"bf16 weights, fp32 master copy and Adam (K = 12), flash attention, micro-batches of 1 sequence; "
-          f"{GPU_BYTES / GIB:.0f} GiB per GPU, {plan.USABLE:.0%} of it usable, {GPUS_PER_NODE} GPUs per node")
-    needs_mp = {}
+    print(f"bf16 weights, fp32 master copy and Adam (K = 12), flash attention, micro-batches of 1 sequence (without "
+          f"a pipeline: gradient accumulation); {GPU_BYTES / GIB:.0f} GiB per GPU, {plan.USABLE:.0%} of it usable, "
+          f"{GPUS_PER_NODE} GPUs per node")
+    firsts = {}
     for name, shape, gpus, batch in SCENARIOS:
         fits = plan.propose(shape, gpu_bytes=GPU_BYTES, n_gpus=gpus, gpus_per_node=GPUS_PER_NODE, global_batch=batch)
         dp_only = [f for f in fits if f["layout"]["tp"] == f["layout"]["pp"] == 1]
-        needs_mp[name] = (not dp_only, bool(fits) and fits[0]["layout"]["tp"] * fits[0]["layout"]["pp"] > 1)
+        firsts[name] = fits[0]["layout"] if fits else None
         print(f"\n{name} on {gpus} GPUs, {batch} sequences a step: {len(fits)} layouts fit")
-        for tag, f in (("proposed", fits[0] if fits else None), ("DP only ", dp_only[0] if dp_only else None)):
-            if f is None:
-                why = f"{gpus} ranks do not split {batch} sequences" if batch % gpus else "none fits in memory"
-                print(f"  {tag}: none ({why})")
-                continue
-            if tag != "proposed" and f is fits[0]:
-                print(f"  {tag}: the same")
-                continue
-            t = f["seconds"]
-            print(f"  {tag}: {_layout(f['layout'])}\n            {f['bytes'] / GIB:5.1f} GiB per GPU, step "
-                  f"{t['total']:.2f} s (compute {t['compute']:.2f}, TP {t['tp']:.2f}, exposed DP "
-                  f"{t['dp_exposed']:.2f}, bubble {t['bubble']:.0%})")
-    small, large = [n for n, _, _, _ in SCENARIOS[:-1]], SCENARIOS[-1][0]
-    claim(f"{' and '.join(small)}: the proposal needs no model parallelism (tp = pp = 1); {large}: it uses TP",
-          all(not any(needs_mp[n]) for n in small) and needs_mp[large][1])
+        print(_row("proposed", fits[0]) if fits else "  proposed: none fits")
+        if not dp_only:
+            why = f"{gpus} ranks do not split {batch} sequences" if batch % gpus else "none fits in memory"
+            print(f"  DP only : none ({why})")
+        else:
+            print("  DP only : the same" if dp_only[0] is fits[0] else _row("DP only ", dp_only[0]))
+        if name == SCENARIOS[-1][0]:
+            lay = MEGATRON_175B
+            megatron = [f for f in fits if all(f["layout"][k] == v for k, v in lay.items())]
+            print(_row("Megatron", megatron[0]) if megatron else "  Megatron: does not fit")
+    small, (large, _, _, _) = [n for n, _, _, _ in SCENARIOS[:-1]], SCENARIOS[-1]
+    claim(f"{' and '.join(small)}: the proposal needs no model parallelism (tp = pp = 1); {large}: TP over all "
+          f"{GPUS_PER_NODE} GPUs of a node", all(firsts[n] and firsts[n]["tp"] == firsts[n]["pp"] == 1 for n in small)
+          and bool(firsts[large]) and firsts[large]["tp"] == GPUS_PER_NODE)
 
 
 def predicted_3d(run) -> list[dict]:
@@ -451,7 +476,8 @@ def claim_axis_costs() -> None:
     lay, links = MEGATRON_175B, {"NVLink": plan.H100_NODE["nvlink"], "InfiniBand": plan.H100_NODE["network"]}
     print(f"{SCENARIOS[-1][0]}, dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, {lay['microbatches']} micro-batches "
           f"of 1 sequence; compute {compute:.1f} s a step (modelled); seconds to send each axis's bytes over:")
-    print(f"{'axis':>4} {'GB/step':>8}" + "".join(f" {f'{k} {v / GB:.0f} GB/s':>20}" for k, v in links.items()))
+    print(f"{'axis':>4} {'GB/step':>8}" + "".join(f" {f'{k} {v / GB:.0f} GB/s':>20}" for k, v in links.items())
+          + "   (per rank; PP: a middle stage, which sends activations forward and gradients back)")
     for axis, b in comm.items():
         print(f"{axis:>4} {b / GB:8.1f}" + "".join(f" {b / v:20.2f}" for v in links.values()))
     claim("TP moves the most bytes of the three axes: over NVLink a fraction of the compute, over InfiniBand more "
