@@ -232,3 +232,48 @@ def test_the_stage_table_checks_rank_0s_parameters_against_the_formula(capsys):
         assert out.count("stage ") >= p and list(dict(checks.parse(out)).values()) == [True]
     lesson.show_stages(FakeRun({0: dict(gpt=gpt, params=plan.stage_params(shape, 1, 0))}), cfg(2, 4))
     assert list(verdicts(capsys).values()) == [False]  # rank 0 holding the whole model: no pipeline split
+
+
+# the orders torch 2.14.1's schedules ran on 2 gloo ranks at 4 micro-batches (course/gpt_pp.py), "kind stage.mb"
+RAN = {"Interleaved 1F1B": {
+    0: "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3",
+    1: "F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 F3.3 B3.3 B1.2 B1.3"}, "ZBV zero bubble": {
+    0: "F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 I3.1 W3.1 F0.3 I0.0 W0.0 F3.2 I3.2 W3.2 I0.1 W0.1 F3.3 I3.3 W3.3 I0.2 "
+       "W0.2 I0.3 W0.3",
+    1: "F1.0 F2.0 F1.1 F2.1 I2.0 W2.0 F1.2 I1.0 W1.0 F2.2 I2.1 W2.1 F1.3 I1.1 W1.1 F2.3 I2.2 W2.2 I1.2 I2.3 I1.3 "
+       "W1.2 W2.3 W1.3"}}
+
+
+def two_stage_run(label: str, steps: int = 6, slow_rank: int | None = None) -> FakeRun:
+    orders = {r: [(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in text.split()]
+              for r, text in RAN[label].items()}
+    costs = {(k, s, mb): pipeline.COSTS[k] * (3 if r == slow_rank else 1)
+             for r, acts in orders.items() for k, s, mb in acts}
+    plan = pipeline.simulate(orders, 4, durations=costs)
+    by_rank = {r: {"pp_timeline": [], "pp_stages": sorted({s for _, s, _ in orders[r]})} for r in orders}
+    for step in range(1, steps + 1):
+        for a in plan:
+            by_rank[a["rank"]]["pp_timeline"].append([step, a["kind"], a["stage"], a["mb"], a["t0"] / 100,
+                                                      a["t1"] / 100])
+    return FakeRun(by_rank)
+
+
+def test_interleaving_and_zero_bubble_claims_hold_on_their_plans_and_fail_when_a_rank_is_slow(capsys):
+    rs = runs(2, 4)
+    lesson.claim_more_schedules({label: two_stage_run(label) for label in lesson.MORE}, rs, cfg(2, 4))
+    out = capsys.readouterr().out
+    found = dict(checks.parse(out))
+    assert len(found) == 2 and all(found.values()), out
+    slow = {label: two_stage_run(label, slow_rank=1) for label in lesson.MORE}  # rank 1 three times as slow
+    lesson.claim_more_schedules(slow, rs, cfg(2, 4))
+    assert [v for k, v in verdicts(capsys).items() if k.startswith("replayed")] == [False]
+    lesson.claim_more_schedules({}, runs(1, 4), cfg(1, 4))
+    assert list(verdicts(capsys).values()) == [True]
+
+
+@pytest.mark.parametrize("p, blocks", [(2, 12), (3, 12), (4, 16), (6, 12)])
+def test_the_two_stage_runs_cut_the_gpt_into_twice_nproc_equal_stages(p, blocks):
+    c = cfg(p, 8)
+    assert c.more_layers == blocks and blocks % (2 * p) == 0
+    args = c.more_args("ZBV zero bubble")
+    assert args[args.index("--n-layer") + 1] == blocks and args[args.index("--schedule") + 1] == "zbv"

@@ -38,7 +38,8 @@ from ..scripts import COURSE
 
 N_LAYER, D_MODEL, SEQ_LEN, BATCH = 12, 128, 256, 8  # 12 blocks: equal stages on 1, 2, 3, 4 ranks
 TIMED = ("GPipe", "1F1B")
-SCHEDULE_OF = {"GPipe": "gpipe", "1F1B": "1f1b"}
+MORE = ("Interleaved 1F1B", "ZBV zero bubble")  # two stages per rank: looped, and in a V
+SCHEDULE_OF = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved 1F1B": "interleaved1f1b", "ZBV zero bubble": "zbv"}
 BUBBLE_TOLERANCE = 0.05
 COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
 
@@ -60,6 +61,18 @@ class Settings:
     def args(self, *extra) -> list:
         return ["--steps", self.steps, "--skip-steps", self.skip_steps, "--n-layer", N_LAYER, "--d-model", D_MODEL,
                 "--seq-len", SEQ_LEN, "--batch-size", BATCH, "--microbatches", self.microbatches, *extra]
+
+    @property
+    def more_layers(self) -> int:
+        """Blocks for the two-stages-per-rank runs: 12 where 2 x NPROC stages divide them, else the next multiple."""
+        v = 2 * self.nproc
+        return N_LAYER if N_LAYER % v == 0 else v * -(-N_LAYER // v)
+
+    def more_args(self, label: str) -> list:
+        """The flags of one of :data:`MORE`'s runs: this chapter's GPT, 2 x NPROC stages."""
+        args = self.args("--schedule", SCHEDULE_OF[label])
+        args[args.index("--n-layer") + 1] = self.more_layers
+        return args
 
     @property
     def measurable(self) -> bool:
@@ -289,6 +302,33 @@ def claim_bubbles(runs: dict, cfg: Settings) -> dict:
           measured=", ".join(f"{l} {clock[l]['median']:.3f} (+{clock[l]['median'] - replayed[l]['median']:.3f})"
                              for l in TIMED))
     return clock
+
+
+def claim_more_schedules(more: dict, runs: dict, cfg: Settings) -> None:
+    """Interleaved 1F1B and ZBV: each plan's bubble (the order each rank ran, unit costs F 1, B 2, I 1, W 1) and its
+    replay's, beside 1F1B's; interleaving's plan is (p - 1) / (v m + p - 1), v = 2 stages per rank."""
+    p, m = cfg.nproc, cfg.microbatches
+    if p == 1:
+        claim("one process: no pipeline, so no interleaving (these claims need NPROC >= 2)", not more)
+        return
+    f1b = bubbles(runs["1F1B"], cfg, replayed=True)["median"]
+    formula = pipeline.bubble_fraction(p, 2 * m)  # (p - 1) / (2 m + p - 1): the interleaved bubble, v = 2
+    plans, replays = {}, {}
+    for label, run in more.items():
+        steps = list(by_step(actions(run)).values())
+        plans[label] = statistics.fmean(pipeline.measured_bubble(planned(steps[-1], 2 * p)).values())
+        replays[label] = pipeline.steady_bubble(steps, skip=cfg.skip_steps, n_stages=2 * p)["median"]
+    print(f"{'schedule':<18} {'plan':>6} {'replayed':>9}   ({cfg.more_layers} blocks in {2 * p} stages; 1F1B "
+          f"replayed {f1b:.3f}, formula {pipeline.bubble_fraction(p, m):.3f})")
+    for label in more:
+        print(f"{label:<18} {plans[label]:6.3f} {replays[label]:9.3f}")
+    inter, zbv = MORE
+    claim(f"interleaving's plan idles (p - 1) / (2m + p - 1) = {formula:.3f}, and ZBV's plan less", abs(
+          plans[inter] - formula) < 1e-9 and plans[zbv] < plans[inter])
+    claim(f"replayed, interleaved 1F1B is within {BUBBLE_TOLERANCE} of its plan, and both schedules idle less than "
+          f"1F1B (claimed where each rank has a core of its own; else shown only)", not cfg.measurable or (
+              abs(replays[inter] - plans[inter]) <= BUBBLE_TOLERANCE and max(replays.values()) < f1b),
+          measured=", ".join(f"{k} {v:.3f}" for k, v in replays.items()) + f", 1F1B {f1b:.3f}")
 
 
 # ---------------------------------------------------------------------------------------- 5. memory
