@@ -66,7 +66,7 @@ def train(args, rank, local_rank, world_size, device):
          f"global_batch={args.batch_size * world_size} steps={total_steps}")
     # the meter numbers the steps (from 1), times each one (batch fetch to finished work), writes the step records
     meter = harness.Meter(total_steps, device, world_size, samples_per_step=args.batch_size * world_size,
-                          skip=args.skip_steps, profile=args.profile_steps)
+                          skip=args.skip_steps)
     for epoch in range(-(-total_steps // len(loader))):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, identical on all ranks
         for images, labels in meter.batches(loader):

@@ -85,7 +85,7 @@ def train(args, rank, local_rank, world_size, device):
     log0(f"world_size={world_size} backend={dist.get_backend()} device={device.type} params={params} "
          f"global_batch={global_batch} steps={args.steps}")
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=global_batch, skip=args.skip_steps,
-                          memory=True, comm=comm, log_every=10, profile=args.profile_steps)
+                          memory=True, comm=comm, log_every=10)
     states = None
     for _ in meter.steps():
         optimizer.zero_grad(set_to_none=True)

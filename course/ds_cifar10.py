@@ -89,8 +89,7 @@ def train(args, rank, world_size, device):
          f"zero_stage={engine.zero_optimization_stage()} params={params} global_batch={engine.train_batch_size()} "
          f"steps={total_steps}")
     meter = harness.Meter(total_steps, device, world_size, skip=args.skip_steps,
-                          samples_per_step=engine.train_micro_batch_size_per_gpu() * world_size,
-                          profile=args.profile_steps)
+                          samples_per_step=engine.train_micro_batch_size_per_gpu() * world_size)
     first, model_states = engine.global_steps, None
     for epoch in range(-(-total_steps // len(loader))):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, identical on all ranks

@@ -94,7 +94,7 @@ def train(args, rank, world_size, device):
          f"zero_stage={args.stage} global_batch={engine.train_batch_size()} steps={args.steps}")
     comm = harness.count_deepspeed_comms() if args.count_comms else None
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=engine.train_batch_size(),
-                          skip=args.skip_steps, memory=True, comm=comm, log_every=10, profile=args.profile_steps)
+                          skip=args.skip_steps, memory=True, comm=comm, log_every=10)
     states = None
     for step in meter.steps():
         lr = engine.get_lr()[0]  # the rate this step uses; WarmupLR moves on inside engine.step()

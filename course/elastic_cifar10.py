@@ -129,7 +129,7 @@ def train(args, rank, local_rank, world_size, device, restart_count):
         rep.event("resumed", step=step, snapshot=found[0], attempt=restart_count)
     log0(f"world_size={world_size} backend={dist.get_backend()} steps={total_steps} attempt={restart_count}")
     meter = harness.Meter(total_steps, device, world_size, samples_per_step=args.batch_size * world_size,
-                          skip=args.skip_steps, start=step, reporter=rep, profile=args.profile_steps)
+                          skip=args.skip_steps, start=step, reporter=rep)
 
     for epoch in range(start_epoch, -(-total_steps // len(loader))):
         sampler.set_epoch(epoch)  # the same shuffle of this epoch as before the crash

@@ -110,8 +110,7 @@ def train(args, rank, world_size, device):
          f"params={params} global_batch={args.batch_size * world_size} steps={total_steps} "
          f"reshard_after_forward={shard['reshard_after_forward']} bf16={args.bf16}")
     meter = harness.Meter(total_steps, device, world_size, samples_per_step=args.batch_size * world_size,
-                          skip=args.skip_steps, start=start, memory=True, comm=harness.count_fsdp_comms(model),
-                          profile=args.profile_steps)
+                          skip=args.skip_steps, start=start, memory=True, comm=harness.count_fsdp_comms(model))
     states = None
     for epoch in itertools.count(start // len(loader)):
         if meter.done >= total_steps:

@@ -103,7 +103,7 @@ def train(args, rank, world_size, device):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     log0(f"world_size={world_size} mesh=(dp={dp}, pp={args.pp}, tp={args.tp}) global_batch={args.batch_size * dp}")
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size * dp,
-                          skip=args.skip_steps, profile=args.profile_steps)
+                          skip=args.skip_steps)
     for epoch in itertools.count():
         if meter.done >= args.steps:
             break

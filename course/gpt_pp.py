@@ -86,8 +86,7 @@ def train(args, rank, world_size, device):
     log0(f"world_size={world_size} schedule={args.schedule if schedule else 'none (one process)'} "
          f"stages={n_stages} ({args.n_layer // n_stages} blocks each) micro-batches={args.microbatches} "
          f"params on rank 0={params} loss on rank {last_rank}")
-    meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size, skip=args.skip_steps,
-                          profile=args.profile_steps)
+    meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size, skip=args.skip_steps)
     batches = iter(loader)
     for step in meter.steps():
         x, y = next(batches)

@@ -132,7 +132,7 @@ def train(args, world_size, device):
     comms = count_comms(model, torch.stack(xs).to(device), torch.stack(ys).to(device))
 
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size * dp,
-                          skip=args.skip_steps, profile=args.profile_steps)
+                          skip=args.skip_steps)
     for epoch in itertools.count():
         if meter.done >= args.steps:
             break

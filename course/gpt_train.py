@@ -11,10 +11,6 @@ gradients. The text is data/text/input.txt when it is there, else generated sent
 the unigram baseline (predicting each character from its frequency alone) next to the training and held-out loss,
 so you can see the model learn more than character counts. course/gpt_tp.py is this script with tensor
 parallelism instead of DDP.
-
-How DDP's all-reduce meets the backward, for a profiler trace (--profile-steps N): --bucket-cap-mb sets DDP's
-buckets (each all-reduced as soon as backward has filled it); --overlap none runs backward under no_sync and then
-one all-reduce of every gradient, which is what DDP saves you from writing, minus the overlap.
 """
 import itertools
 
@@ -32,25 +28,7 @@ from helpers.rank.runtime import end_rank, launched_ranks, log0
 
 
 def parse_args():
-    p = lm.parser("DDP training of a small GPT on text (launch with torchrun).")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="DDP's gradient buckets, MiB (25: DDP's default; large: one bucket for everything)")
-    p.add_argument("--overlap", choices=["buckets", "none"], default="buckets",
-                   help="buckets: DDP all-reduces each bucket as backward fills it; none: backward under no_sync, "
-                        "then one all-reduce of every gradient")
-    return p.parse_args()
-
-
-def allreduce_after_backward(model, world_size):
-    """What DDP does, without the overlap: every gradient in one flat buffer, one all-reduce, the mean copied back."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    return lm.parser("DDP training of a small GPT on text (launch with torchrun).").parse_args()
 
 
 @record
@@ -70,28 +48,22 @@ def train(args, world_size, device):
     sampler = DistributedSampler(train_ds, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = lm.build_gpt(args, info.vocab_size).to(device)  # the same weights on every rank (seeded)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.0)
     log0(f"world_size={world_size} params={count_parameters(model)} gpt={model.cfg.as_dict()} "
          f"global_batch={args.batch_size * world_size} sequences of {args.seq_len}")
 
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size * world_size,
-                          skip=args.skip_steps, profile=args.profile_steps)
+                          skip=args.skip_steps)
     for epoch in itertools.count():
         if meter.done >= args.steps:
             break
         sampler.set_epoch(epoch)
         for x, y in meter.batches(loader):
             x, y = x.to(device), y.to(device)
+            _, loss = ddp(x, y)  # the mean next-character loss of this rank's sequences
             optimizer.zero_grad(set_to_none=True)
-            if args.overlap == "buckets":
-                _, loss = ddp(x, y)  # the mean next-character loss of this rank's sequences
-                loss.backward()  # DDP all-reduces the gradients: every rank gets the mean over the global batch
-            else:
-                with ddp.no_sync():  # no all-reduce during backward ...
-                    _, loss = ddp(x, y)
-                    loss.backward()
-                allreduce_after_backward(model, world_size)  # ... one after it, nothing left to overlap with
+            loss.backward()  # DDP all-reduces the gradients: every rank gets the mean over the global batch
             optimizer.step()
             meter.step(loss=loss.item(), epoch=epoch, samples=x.size(0))
     run = meter.finish()
@@ -101,7 +73,7 @@ def train(args, world_size, device):
          f"{run['train_seconds']:.1f} s training | {meter.throughput_line()}")
     meter.report(framework="ddp", test_loss=test_loss, unigram_loss=info.unigram_loss, vocab_size=info.vocab_size,
                  dataset=info.name, params=count_parameters(model), global_batch=args.batch_size * world_size,
-                 gpt=model.cfg.as_dict(), dtype=args.dtype, bucket_cap_mb=args.bucket_cap_mb, overlap=args.overlap)
+                 gpt=model.cfg.as_dict(), dtype=args.dtype)
 
 
 if __name__ == "__main__":

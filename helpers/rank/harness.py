@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import time
 
 import torch
@@ -74,10 +75,24 @@ def parser(description: str, *, steps: int | None = None, test_size: int | None 
     return profile_flag(p)
 
 
+PROFILE_ENV = "HELPERS_PROFILE_STEPS"
+
+
+class _ProfileSteps(argparse.Action):
+    """Stores the flag and hands it to every :class:`Meter` of the process through ``$HELPERS_PROFILE_STEPS``:
+    profiling is the harness's business, so a course script's lines stay its lesson's."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values < 0:
+            parser.error(f"--profile-steps must be 0 or more, got {values}")
+        setattr(namespace, self.dest, values)
+        os.environ[PROFILE_ENV] = str(values)
+
+
 def profile_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--profile-steps N``: profile N steady-state steps (after ``--skip-steps``) with ``torch.profiler`` and write
-    one Chrome trace per rank into the run directory (:class:`Meter`)."""
-    p.add_argument("--profile-steps", type=int, default=0,
+    one Chrome trace per rank into the run directory (:class:`Meter`, which reads it from $HELPERS_PROFILE_STEPS)."""
+    p.add_argument("--profile-steps", type=int, default=0, action=_ProfileSteps,
                    help="profile this many steps after the warm-up ones; a trace per rank in the run directory")
     return p
 
@@ -232,15 +247,16 @@ class Meter:
     ``total``: the step the run ends at; ``start``: the step it starts after (a resumed run), so this run does
     ``total - start`` steps and its first is ``start + 1``. ``samples_per_step``: samples of one step, all ranks.
     ``skip``: warm-up steps of this run left out of ``samples_per_s``. ``memory``: sample RSS (and CUDA) memory
-    into each step record. ``comm``: a :class:`CommCounter` reset after the first step. ``profile``: profile that
-    many steps after the ``skip`` warm-up ones (the last warm-up step is the profiler's own warm-up) and write
+    into each step record. ``comm``: a :class:`CommCounter` reset after the first step. ``profile`` (default: the
+    ``--profile-steps`` flag, through $HELPERS_PROFILE_STEPS): profile that many steps after the ``skip`` warm-up
+    ones (the last warm-up step is the profiler's own warm-up) and write
     ``trace_rank<RANK>.json`` (Chrome trace format) into the run directory ($HELPERS_RUN_DIR, else the working
     directory); each profiled step is a ``ProfilerStep#`` span.
     """
 
     def __init__(self, total: int, device, world_size: int, *, samples_per_step: int, skip: int = 5, start: int = 0,
                  memory: bool = False, comm: CommCounter | None = None, log_every: int = 20,
-                 reporter: Reporter | None = None, profile: int = 0):
+                 reporter: Reporter | None = None, profile: int | None = None):
         self.rep = reporter or Reporter()
         self.device, self.world_size, self.samples_per_step = device, world_size, samples_per_step
         self.total, self.start, self.done = total, start, start
@@ -251,6 +267,8 @@ class Meter:
         self._t0 = self._began = None
         self.summary: dict = {}
         self._comm = None
+        if profile is None:  # the --profile-steps flag of the shared parsers, or the launcher's environment
+            profile = int(os.environ.get(PROFILE_ENV) or 0)
         if profile < 0:
             raise ValueError(f"--profile-steps must be 0 or more, got {profile}")
         self.profile = min(profile, total - start - self.skip)  # no more than the steady steps there are
@@ -271,7 +289,6 @@ class Meter:
             self._began = self._t0
 
     def _start_profiler(self) -> None:
-        import os
         from pathlib import Path
 
         from torch.profiler import ProfilerActivity, profile, schedule

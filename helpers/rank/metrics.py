@@ -133,8 +133,6 @@ class TrainResult(TypedDict, total=False):
     pp_planned: dict          # PP: the schedule's own plan, {rank: [action or None per slot]}, str(torch _Action) such
                               # as "1F3" (stage 1, forward, micro-batch 3); pipeline_order (_get_pipeline_order)
     pp_saved_bytes: dict      # PP: {stage: most bytes of saved activations (saved_tensors_hooks) held at once}, bytes
-    bucket_cap_mb: float      # gpt_train.py: DDP's bucket size, MiB (--bucket-cap-mb)
-    overlap: str              # gpt_train.py: "buckets" (DDP's all-reduce during backward) or "none" (one after it)
     rank_state_bytes: dict    # 3-D: {params, grads, optimizer}: bytes this rank holds after its first step (a DTensor's
                               # local shard: elements x element size)
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
