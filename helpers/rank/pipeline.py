@@ -64,25 +64,37 @@ class StageClock:
     def peak_bytes(self) -> dict:
         return {str(s): b for s, b in sorted(self._peak.items())}
 
+    @staticmethod
+    def _saved_bytes(fn, *args, exclude=frozenset(), **kwargs):
+        """``fn(*args, **kwargs)`` and the bytes autograd saved for backward during it (each storage once, those in
+        ``exclude`` left out)."""
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = local_storage(t)
+            if storage.data_ptr() not in exclude:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(*args, **kwargs)
+        return out, sum(seen.values())
+
+    def _hold(self, stage: int, chunk: int, nbytes: int) -> None:
+        """Count ``nbytes`` more as held by ``stage`` for micro-batch ``chunk`` until its backward."""
+        self._bytes[(stage, chunk)] = self._bytes.get((stage, chunk), 0) + nbytes
+        self._held[stage] = self._held.get(stage, 0) + nbytes
+        self._peak[stage] = max(self._peak.get(stage, 0), self._held[stage])
+
     def loss_fn(self, fn, stage_index: int):
         """``fn`` (the schedule's ``loss_fn``) with what it saves for backward (log_softmax's output, the targets)
         added to the micro-batch the last stage ``stage_index`` has just run forward: the schedule computes the loss
         outside ``forward_one_chunk``, but it is that micro-batch's activation memory until its backward."""
         def loss(*args, **kwargs):
-            seen: dict[int, int] = {}
-
-            def pack(t):
-                storage = local_storage(t)
-                seen[storage.data_ptr()] = storage.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = fn(*args, **kwargs)
+            out, nbytes = self._saved_bytes(fn, *args, **kwargs)
             chunk = max((c for s, c in self._bytes if s == stage_index), default=None)
             if chunk is not None:
-                self._bytes[(stage_index, chunk)] += sum(seen.values())
-                self._held[stage_index] += sum(seen.values())
-                self._peak[stage_index] = max(self._peak[stage_index], self._held[stage_index])
+                self._hold(stage_index, chunk, nbytes)
             return out
         return loss
 
@@ -93,21 +105,10 @@ class StageClock:
         params = {local_storage(p).data_ptr() for p in stage.submod.parameters()}
 
         def forward_one_chunk(chunk, *args, **kwargs):
-            seen: dict[int, int] = {}
-
-            def pack(t):
-                storage = local_storage(t)
-                if storage.data_ptr() not in params:
-                    seen[storage.data_ptr()] = storage.nbytes()
-                return t
-
             t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = forward(chunk, *args, **kwargs)
+            out, nbytes = self._saved_bytes(forward, chunk, *args, exclude=params, **kwargs)
             self.record("F", index, chunk, t0)
-            self._bytes[(index, chunk)] = sum(seen.values())
-            self._held[index] = self._held.get(index, 0) + self._bytes[(index, chunk)]
-            self._peak[index] = max(self._peak.get(index, 0), self._held[index])
+            self._hold(index, chunk, nbytes)
             return out
 
         def backward_one_chunk(chunk, *args, **kwargs):

@@ -159,14 +159,19 @@ def claim_losses(runs: dict) -> dict:
     return curves
 
 
+def gpt_shape(gpt: dict) -> dict:
+    """The shape :mod:`helpers.calc.plan` reads, from a run's reported ``gpt`` (GPTConfig.as_dict())."""
+    return dict(vocab=gpt["vocab_size"], seq_len=gpt["seq_len"], n_layer=gpt["n_layer"], n_head=gpt["n_head"],
+                d_model=gpt["d_model"], attention=gpt.get("attention", "math"))
+
+
 def show_stages(run, cfg: Settings) -> None:
     """Each stage's blocks and parameters by the formula (:func:`helpers.calc.plan.stage_params`), and rank 0's
     own count against it."""
     from ...calc import plan
 
     g = run.result["gpt"]
-    shape = dict(vocab=g["vocab_size"], seq_len=g["seq_len"], n_layer=g["n_layer"], n_head=g["n_head"],
-                 d_model=g["d_model"])
+    shape = gpt_shape(g)
     counts = [plan.stage_params(shape, cfg.nproc, s) for s in range(cfg.nproc)]
     for s, (blocks, n) in enumerate(zip(pipeline.stage_layers(g["n_layer"], cfg.nproc), counts)):
         extra = ", ".join(x for x, on in (("embeddings", s == 0), ("final LayerNorm + head", s == cfg.nproc - 1)) if on)
@@ -451,8 +456,7 @@ def predicted_3d(run) -> list[dict]:
     from ...calc import plan
 
     r, g = run.result, run.result["gpt"]
-    shape = dict(vocab=g["vocab_size"], seq_len=g["seq_len"], n_layer=g["n_layer"], n_head=g["n_head"],
-                 d_model=g["d_model"], attention=g["attention"])
+    shape = gpt_shape(g)
     m = r["pp_microbatches"]
     return plan.rank_memory(shape, dp=r["dp_degree"], tp=r["tp_degree"], pp=r["pp_degree"], zero=0,
                             checkpoint=g["checkpoint"], micro_batch=r["global_batch"] // r["dp_degree"] // m,
