@@ -271,6 +271,22 @@ def test_interleaving_and_zero_bubble_claims_hold_on_their_plans_and_fail_when_a
     assert list(verdicts(capsys).values()) == [True]
 
 
+def test_the_timing_table_is_printed_apart_from_the_claims(capsys):
+    """The replayed bubbles are timings: they print in their own (uncompared) cell, never in the claim cell's lines
+    outside a (measured: ...) part, where nbval would compare them (it failed CI once: 0.094 then 0.129)."""
+    rs = runs(2, 4)
+    more = {label: two_stage_run(label, slow_rank=1) for label in lesson.MORE}  # replays differ from plans
+    lesson.show_more_schedules(more, rs, cfg(2, 4))
+    table = capsys.readouterr().out
+    assert all(label in table for label in lesson.MORE) and "replayed" in table
+    lesson.claim_more_schedules(more, rs, cfg(2, 4))
+    out = capsys.readouterr().out
+    plans, replays = lesson.more_bubbles(more, cfg(2, 4))
+    outside = "\n".join(line.split("(measured:")[0] for line in out.splitlines())
+    assert all(f"{v:.3f}" not in outside for v in replays.values()), out
+    assert f"{plans[lesson.MORE[1]]:.3f}" in outside
+
+
 @pytest.mark.parametrize("p, blocks", [(2, 12), (3, 12), (4, 16), (6, 12)])
 def test_the_two_stage_runs_cut_the_gpt_into_twice_nproc_equal_stages(p, blocks):
     c = cfg(p, 8)

@@ -309,27 +309,45 @@ def claim_bubbles(runs: dict, cfg: Settings) -> dict:
     return clock
 
 
+def more_bubbles(more: dict, cfg: Settings) -> tuple[dict, dict]:
+    """Each interleaved/zero-bubble run's plan bubble (the order each rank ran, unit costs F 1, B 2, I 1, W 1) and the
+    median of its replayed steps."""
+    p = cfg.nproc
+    plans, replays = {}, {}
+    for label, run in more.items():
+        steps = list(by_step(actions(run)).values())
+        plans[label] = statistics.fmean(pipeline.measured_bubble(planned(steps[-1], 2 * p)).values())
+        replays[label] = pipeline.steady_bubble(steps, skip=cfg.skip_steps, n_stages=2 * p)["median"]
+    return plans, replays
+
+
+def show_more_schedules(more: dict, runs: dict, cfg: Settings) -> None:
+    """The table of plan and replayed bubbles beside 1F1B's (replayed numbers are timings: the cell is not compared)."""
+    p, m = cfg.nproc, cfg.microbatches
+    if p == 1:
+        print("one process: no pipeline")
+        return
+    plans, replays = more_bubbles(more, cfg)
+    f1b = bubbles(runs["1F1B"], cfg, replayed=True)["median"]
+    print(f"{'schedule':<18} {'plan':>6} {'replayed':>9}   ({cfg.more_layers} blocks in {2 * p} stages; 1F1B "
+          f"replayed {f1b:.3f}, formula {pipeline.bubble_fraction(p, m):.3f})")
+    for label in more:
+        print(f"{label:<18} {plans[label]:6.3f} {replays[label]:9.3f}")
+
+
 def claim_more_schedules(more: dict, runs: dict, cfg: Settings) -> None:
-    """Interleaved 1F1B and ZBV: each plan's bubble (the order each rank ran, unit costs F 1, B 2, I 1, W 1) and its
-    replay's, beside 1F1B's; interleaving's plan is (p - 1) / (v m + p - 1), v = 2 stages per rank."""
+    """Interleaved 1F1B and ZBV held to their own plans; interleaving's plan is (p - 1) / (v m + p - 1), v = 2 stages
+    per rank."""
     p, m = cfg.nproc, cfg.microbatches
     if p == 1:
         claim("one process: no pipeline, so no interleaving (these claims need NPROC >= 2)", not more)
         return
     f1b = bubbles(runs["1F1B"], cfg, replayed=True)["median"]
     formula = pipeline.bubble_fraction(p, 2 * m)  # (p - 1) / (2 m + p - 1): the interleaved bubble, v = 2
-    plans, replays = {}, {}
-    for label, run in more.items():
-        steps = list(by_step(actions(run)).values())
-        plans[label] = statistics.fmean(pipeline.measured_bubble(planned(steps[-1], 2 * p)).values())
-        replays[label] = pipeline.steady_bubble(steps, skip=cfg.skip_steps, n_stages=2 * p)["median"]
-    print(f"{'schedule':<18} {'plan':>6} {'replayed':>9}   ({cfg.more_layers} blocks in {2 * p} stages; 1F1B "
-          f"replayed {f1b:.3f}, formula {pipeline.bubble_fraction(p, m):.3f})")
-    for label in more:
-        print(f"{label:<18} {plans[label]:6.3f} {replays[label]:9.3f}")
+    plans, replays = more_bubbles(more, cfg)
     inter, zbv = MORE
-    claim(f"interleaving's plan idles (p - 1) / (2m + p - 1) = {formula:.3f}, and ZBV's plan less", abs(
-          plans[inter] - formula) < 1e-9 and plans[zbv] < plans[inter])
+    claim(f"interleaving's plan idles (p - 1) / (2m + p - 1) = {formula:.3f}, and ZBV's plan less "
+          f"({plans[zbv]:.3f})", abs(plans[inter] - formula) < 1e-9 and plans[zbv] < plans[inter])
     claim(f"replayed, interleaved 1F1B is within {BUBBLE_TOLERANCE} of its plan, and both schedules idle less than "
           f"1F1B (claimed where each rank has a core of its own; else shown only)", not cfg.measurable or (
               abs(replays[inter] - plans[inter]) <= BUBBLE_TOLERANCE and max(replays.values()) < f1b),
