@@ -10,7 +10,7 @@ from helpers.notebook.exercises import write
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 # 04 (the DDP vs DeepSpeed comparison) has none yet; 00 is the environment check
-WITH_WRITE_EXERCISE = ("01", "02", "03", "04", "05", "06", "07")
+WITH_WRITE_EXERCISE = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")
 
 
 def _write_cells(stem: str) -> list[str]:

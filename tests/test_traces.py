@@ -44,6 +44,22 @@ def test_exposed_communication_is_what_no_compute_covers(comm_at, exposed):
     assert row["comm"] == pytest.approx(300e-6) and row["exposed"] == pytest.approx(exposed * 1e-6)
 
 
+def test_a_wait_inside_an_operator_is_not_compute():
+    # tensor parallelism: the DTensor waits for its all-reduce inside the first operator that reads the result
+    t = trace(event("ProfilerStep#1", 0, 1000, cat="user_annotation"), event("aten::mm", 0, 400),
+              event("aten::add", 400, 500), event("_c10d_functional::wait_tensor", 450, 400),
+              event("gloo:all_reduce", 380, 470, tid=101, cat="user_annotation"))
+    kinds = {s["name"]: s["kind"] for s in traces.spans(t, 0)}
+    assert kinds["_c10d_functional::wait_tensor"] == "wait" and kinds["aten::add"] == "compute"
+    row = traces.step_split(traces.spans_of({0: t}))[0][0]
+    assert row["compute"] == pytest.approx(500e-6)  # 0-450 and 850-900: the add computed before and after its wait
+    assert row["exposed"] == pytest.approx(400e-6)  # the whole wait: nothing else ran on the main thread
+    fsdp = {"traceEvents": [event("FSDP::post_backward_reduce (2)", 0, 10), event("FSDP::all_gather (4)", 20, 10)]}
+    assert {s["kind"] for s in traces.spans(fsdp, 0)} == {"wait"}  # FSDP2's hooks block on their collective
+    unwaited = {"traceEvents": [e for e in t["traceEvents"] if e.get("name") != "_c10d_functional::wait_tensor"]}
+    assert traces.step_split(traces.spans_of({0: unwaited}))[0][0]["exposed"] == 0  # what counting it as compute hid
+
+
 def test_interval_arithmetic():
     assert traces.union([(0, 2), (1, 3), (5, 6), (6, 7), (8, 8)]) == [(0, 3), (5, 7)]
     assert traces.minus([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]

@@ -83,3 +83,12 @@ def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> dict:
 def predict_seconds(fit: dict, message_bytes: float, count: int = 1) -> float:
     """``count`` collectives of ``message_bytes`` each by a :func:`fit_alpha_beta` model."""
     return count * (fit["alpha"] + fit["beta"] * message_bytes)
+
+
+def predict_calls(fits: dict, calls: list[tuple[str, float]]) -> float:
+    """Seconds for a list of ``(collective, message bytes)`` calls, each by its collective's
+    :func:`fit_alpha_beta` model in ``fits`` (a KeyError names a collective with no model)."""
+    missing = sorted({op for op, _ in calls} - set(fits))
+    if missing:
+        raise KeyError(f"no alpha-beta model for {', '.join(missing)}: sweep it first (course/collective_sweep.py)")
+    return sum(predict_seconds(fits[op], size) for op, size in calls)

@@ -13,6 +13,10 @@ What is what, by name:
   a span lasts from the collective's start on this rank to its end, so it includes waiting for the slowest peer;
 * **compute**: the operators (``cat`` ``cpu_op``) of the rank's main thread, and GPU kernels that are not
   communication, minus the calls that only hand work to a collective (``c10d::...``, ``record_param_comms``);
+* **wait**: a main-thread wait for a collective's result (``_c10d_functional::wait_tensor``: tensor parallelism's
+  DTensors wait inside the operator that first reads the result, an ``aten::add`` say; FSDP2's ``FSDP::all_gather``
+  and ``FSDP::post_backward_reduce``, inside the autograd functions of its hooks): :func:`compute` takes these out of
+  the operators around them, since a thread that waits computes nothing;
 * **steps**: the ``ProfilerStep#k`` spans the profiler puts around each profiled step of the main thread.
 
 Per step and rank (:func:`step_split`): ``compute`` and ``comm`` are the lengths of the union of their spans inside
@@ -31,6 +35,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 COMM_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
 HANDOFF_PREFIXES = ("c10d::", "record_param_comms", "_c10d_functional", "c10d_functional")
+WAIT_PREFIXES = ("_c10d_functional::wait_tensor", "c10d_functional::wait_tensor", "c10d::wait",
+                 # FSDP2's main-thread spans around a collective it waits for (on gloo: the whole collective)
+                 "FSDP::all_gather (", "FSDP::post_backward_reduce")
 STEP_PREFIX = "ProfilerStep#"
 
 
@@ -42,7 +49,7 @@ def is_comm(name: str) -> bool:
 def spans(trace: Mapping, rank: int) -> list[dict]:
     """The complete events of one rank's trace as dicts: ``rank``, ``tid``, ``name``, ``cat``, ``t0``, ``t1``
     (microseconds on the shared clock), ``main`` (on the process's main thread), ``kind`` ("comm", "compute",
-    "step" or "other")."""
+    "wait", "step" or "other")."""
     base = trace.get("baseTimeNanoseconds", 0) / 1000.0
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     out = []
@@ -52,6 +59,8 @@ def spans(trace: Mapping, rank: int) -> list[dict]:
             kind = "comm"
         elif name.startswith(STEP_PREFIX):
             kind = "step"
+        elif main and name.startswith(WAIT_PREFIXES):
+            kind = "wait"
         elif (cat == "cpu_op" and main or cat == "kernel") and not name.startswith(HANDOFF_PREFIXES):
             kind = "compute"
         else:
@@ -106,22 +115,67 @@ def minus(first: Sequence[tuple[float, float]], second: Sequence[tuple[float, fl
     return out
 
 
+def compute(rank_spans: Iterable[Mapping]) -> list[tuple[float, float]]:
+    """When one rank computed: the union of its compute spans minus its waits (both from :func:`spans`)."""
+    rank_spans = list(rank_spans)
+    return minus(union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "compute"),
+                 union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "wait"))
+
+
 def step_split(all_spans: Sequence[Mapping]) -> dict[int, list[dict]]:
     """Per rank, per profiled step (its ``ProfilerStep#`` span): ``compute``, ``comm``, ``exposed`` and ``span``,
     in seconds, and the step's ``name``."""
     out: dict[int, list[dict]] = {}
     for rank in sorted({s["rank"] for s in all_spans}):
         mine = [s for s in all_spans if s["rank"] == rank]
-        compute = union((s["t0"], s["t1"]) for s in mine if s["kind"] == "compute")
+        busy = compute(mine)
         comm = union((s["t0"], s["t1"]) for s in mine if s["kind"] == "comm")
         rows = []
         for step in sorted((s for s in mine if s["kind"] == "step"), key=lambda s: s["t0"]):
             lo, hi = step["t0"], step["t1"]
-            c, m = clip(compute, lo, hi), clip(comm, lo, hi)
+            c, m = clip(busy, lo, hi), clip(comm, lo, hi)
             rows.append(dict(step=step["name"], span=(hi - lo) / 1e6, compute=length(c) / 1e6, comm=length(m) / 1e6,
                              exposed=length(minus(m, c)) / 1e6))
         out[rank] = rows
     return out
+
+
+def collective_costs(all_spans: Sequence[Mapping]) -> list[dict]:
+    """Per profiled step (in order), each collective's own cost: the k-th communication span of the step on every
+    rank is the same collective (every rank calls the same ones in the same order), and the shortest of its spans
+    over the ranks is its cost, since the others include waiting for the last rank to arrive. Returns one row per
+    step: ``seconds`` (the costs added up), ``calls`` (how many collectives) and ``names`` (their span names).
+    Steps the ranks disagree on (a different number of collectives) raise a ValueError."""
+    per_rank: dict[int, list[list[dict]]] = {}
+    for rank in sorted({s["rank"] for s in all_spans}):
+        mine = [s for s in all_spans if s["rank"] == rank]
+        comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])
+        steps = sorted((s for s in mine if s["kind"] == "step"), key=lambda s: s["t0"])
+        per_rank[rank] = [[c for c in comm if st["t0"] <= c["t0"] < st["t1"]] for st in steps]
+    counts = {rank: [len(step) for step in steps] for rank, steps in per_rank.items()}
+    if len({tuple(c) for c in counts.values()}) > 1:
+        raise ValueError(f"the ranks' profiled steps hold different numbers of collectives: {counts}")
+    rows = []
+    for k in range(len(next(iter(per_rank.values()), []))):
+        calls = list(zip(*(steps[k] for steps in per_rank.values())))
+        rows.append(dict(seconds=sum(min(s["t1"] - s["t0"] for s in call) for call in calls) / 1e6,
+                         calls=len(calls), names=[call[0]["name"] for call in calls]))
+    return rows
+
+
+def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[float]]:
+    """The cost of each call inside a labelled span (``record_function`` names starting with ``prefix``, the same
+    labels in the same order on every rank): the communication spans that start inside the n-th label of a rank
+    belong to its n-th call; a call's cost is the shortest of the ranks' summed spans, seconds, as in
+    :func:`collective_costs`. Returns {label: [cost of each of its calls, in order]}."""
+    per_label: dict[str, dict[int, list[float]]] = {}
+    for rank in sorted({s["rank"] for s in all_spans}):
+        mine = [s for s in all_spans if s["rank"] == rank]
+        comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])
+        for label in sorted((s for s in mine if s["name"].startswith(prefix)), key=lambda s: s["t0"]):
+            inside = sum(c["t1"] - c["t0"] for c in comm if label["t0"] <= c["t0"] < label["t1"])
+            per_label.setdefault(label["name"], {}).setdefault(rank, []).append(inside / 1e6)
+    return {name: [min(call) for call in zip(*ranks.values())] for name, ranks in per_label.items()}
 
 
 def merge(traces: Mapping[int, Mapping]) -> dict:

@@ -62,7 +62,7 @@ def plot_step(run, step: int = 0, ax=None):
     for i, r in enumerate(ranks):
         lo, hi = steps[r][step]["t0"], steps[r][step]["t1"]
         mine = [s for s in spans if s["rank"] == r]
-        compute = calc.clip(calc.union((s["t0"], s["t1"]) for s in mine if s["kind"] == "compute"), lo, hi)
+        compute = calc.clip(calc.compute(mine), lo, hi)
         comm = calc.clip(calc.union((s["t0"], s["t1"]) for s in mine if s["kind"] == "comm"), lo, hi)
         for row, (kind, intervals) in enumerate((("compute", compute), ("comm", comm))):
             y = 2 * i + row

@@ -135,6 +135,11 @@ class TrainResult(TypedDict, total=False):
     pp_saved_bytes: dict      # PP: {stage: most bytes of saved activations (saved_tensors_hooks) held at once}, bytes
     rank_state_bytes: dict    # 3-D: {params, grads, optimizer}: bytes this rank holds after its first step (a DTensor's
                               # local shard: elements x element size)
+    ddp_sync: str             # overlap.py: how the gradients are averaged (its --mode: "buckets", "fsdp2", ...)
+    bucket_cap_mb: float      # overlap.py: DDP's bucket_cap_mb, MiB
+    grad_mib: float           # overlap.py: the model's gradients in all, MiB
+    ddp_buckets: list         # overlap.py: the sizes of DDP's gradient buckets after its first step, bytes, in the
+                              # order they are all-reduced (_get_ddp_logging_data()["rebuilt_bucket_sizes"])
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 

@@ -151,6 +151,8 @@ def _knock_on(error: dict) -> bool:
 
 
 _ERROR_HINTS = (
+    ("by peer", _("Another rank had already left: it finished without calling this collective. Every rank must "
+                  "call the same collectives in the same order, whatever its rank.")),
     ("mutually exclusive with shuffle", _("A DistributedSampler does the shuffling: give the DataLoader "
                                           "sampler=... and leave out shuffle=True.")),
     ("list index out of range", _("torch.chunk can return fewer than N pieces when the tensor is short; "

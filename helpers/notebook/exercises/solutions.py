@@ -15,7 +15,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 __all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config",
-           "zero1_train", "run_blocks", "column_row_linears", "one_f_one_b"]
+           "zero1_train", "run_blocks", "column_row_linears", "one_f_one_b",
+           "average_gradients"]
 
 
 def ring_all_reduce(tensor):
@@ -160,3 +161,12 @@ def one_f_one_b(stage, p, m):
     for i in range(warm, m):  # steady state: one forward, then the backward of the oldest micro-batch held
         order += [("F", i), ("B", i - warm)]
     return order + [("B", i) for i in range(m - warm, m)]  # cool-down: the backwards still owed
+
+
+def average_gradients(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one tensor: one all-reduce, one latency
+    dist.all_reduce(flat)  # the sum over the ranks, in place
+    flat /= dist.get_world_size()  # DDP averages
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

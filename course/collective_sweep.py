@@ -1,0 +1,137 @@
+"""What does each collective cost here? Five collectives timed over message sizes, for an alpha-beta model.
+
+    torchrun --nproc-per-node 2 course/collective_sweep.py
+    torchrun --nproc-per-node 4 course/collective_sweep.py --max-bytes 64MiB --iters 9
+
+For each collective and size: warm up, then time --iters calls one by one, each between two barriers, on every
+rank. A rank that arrives first waits for the others inside the collective, so its time includes the others'
+lateness; the last to arrive waits for nobody. Its time, the smallest over the ranks, is the collective's own
+cost; the median over the calls is what the row reports. Message sizes follow the course's byte counters
+(helpers/calc/comm.py): the whole tensor for all_reduce, reduce_scatter and broadcast, this rank's shard for
+all_gather, the message for send_recv (every rank sends to the next and receives from the one before, as a
+pipeline's stages do). course/allreduce_bench.py (notebook 00) is the all-reduce alone, nccl-tests style.
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.profiler import ProfilerActivity, profile
+
+from helpers.rank.devices import rank_device
+from helpers.rank.metrics import RUN_DIR_ENV, Reporter
+from helpers.rank.runtime import end_rank, launched_ranks, log0
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+
+
+def collective(op: str, size_bytes: int, rank: int, world: int, device):
+    """A function that runs one ``op`` of ``size_bytes`` (the course's message size), its buffers made once."""
+    n = max(world, size_bytes // 4 // world * world)  # float32 elements, a multiple of the ranks
+    whole = torch.ones(n, device=device)
+    shard = torch.ones(n // world, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(whole)
+    if op == "all_gather":  # this rank's shard of size_bytes in, the whole (world x shard) out
+        shard, whole = torch.ones(n, device=device), torch.ones(n * world, device=device)
+        return lambda: dist.all_gather_single(whole, shard)
+    if op == "reduce_scatter":  # the whole in, this rank's shard of the sum out
+        return lambda: dist.reduce_scatter_single(shard, whole)
+    if op == "broadcast":
+        return lambda: dist.broadcast(whole, src=0)
+    if op == "send_recv":  # to the next rank, from the one before: a pipeline boundary in both directions
+        incoming = torch.empty_like(whole)
+
+        def send_recv():
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, whole, (rank + 1) % world),
+                                               dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]):
+                req.wait()
+        return send_recv
+    raise ValueError(f"unknown collective {op!r}: one of {', '.join(OPS)}")
+
+
+@contextlib.contextmanager
+def tracing(on: bool, rank: int, device):
+    """torch.profiler around the sweep (when ``on``), its trace written as trace_rank<R>.json to the run
+    directory, as the harness's --profile-steps writes a training run's."""
+    if not on:
+        yield
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    prof.export_chrome_trace(str(Path(os.environ.get(RUN_DIR_ENV) or ".") / f"trace_rank{rank}.json"))
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+@record
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--min-bytes", type=int, default=32 * 1024)
+    parser.add_argument("--max-bytes", type=int, default=32 * 1024 ** 2)
+    parser.add_argument("--factor", type=int, default=4, help="size multiplier between steps")
+    parser.add_argument("--iters", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--trace", action="store_true",
+                        help="time the calls inside torch.profiler, as the --profile-steps runs are, and write a "
+                             "trace per rank to the run directory (each call a 'sweep <op> <bytes>' span)")
+    args = parser.parse_args()
+    rank, local_rank, world = launched_ranks("torchrun --nproc-per-node 2 course/collective_sweep.py")
+    if world < 2:
+        raise SystemExit("a collective needs two ranks or more: torchrun --nproc-per-node 2 ...")
+    device, backend = rank_device(local_rank)
+    dist.init_process_group(backend)
+    try:
+        sizes, size = [], args.min_bytes
+        while size <= args.max_bytes:
+            sizes.append(size)
+            size *= args.factor
+        rep = Reporter(schema=None)
+        if rank == 0:
+            rep.total(len(sizes) * len(args.ops))
+        log0(f"{world} ranks, backend {backend}, float32, {args.iters} timed calls after {args.warmup} warm-up\n"
+             f"{'collective':<15} {'size (B)':>10} {'time (us)':>11}")
+        row = 0
+        with tracing(args.trace, rank, device):
+            for op in args.ops:
+                for size_bytes in sizes:
+                    run = collective(op, size_bytes, rank, world, device)
+                    for _ in range(args.warmup):
+                        run()
+                    mine = []
+                    for _ in range(args.iters):
+                        sync(device)
+                        with torch.profiler.record_function(f"sweep {op} {size_bytes}"):
+                            t0 = time.perf_counter()
+                            run()
+                            if device.type == "cuda":
+                                torch.cuda.synchronize(device)
+                            mine.append(time.perf_counter() - t0)
+                    times = torch.tensor(mine, dtype=torch.float64, device=device)
+                    every = [torch.empty_like(times) for _ in range(world)]
+                    dist.all_gather(every, times)
+                    own = [min(call) for call in zip(*(t.tolist() for t in every))]  # the last to arrive, per call
+                    seconds = statistics.median(own)
+                    row += 1
+                    if rank == 0:
+                        print(f"{op:<15} {size_bytes:>10} {seconds * 1e6:>11.1f}", flush=True)
+                        rep.step(row, op=op, size_bytes=size_bytes, seconds=seconds, calls=own)
+        if rank == 0:
+            rep.result(world_size=world, backend=backend, ops=list(args.ops), sizes=sizes)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    end_rank(main())

@@ -1,0 +1,146 @@
+"""Notebook 11 (inside a step), model section: an alpha-beta model of each collective, fitted on this machine, and
+its predictions for the steps of section 1-3 against their traces.
+
+``course/collective_sweep.py --trace`` times five collectives over message sizes inside torch.profiler, each call a
+``sweep <op> <bytes>`` span; :func:`costs` reads each call's cost from the gloo spans as the training traces are read
+(:func:`helpers.calc.traces.labelled_costs`: the shortest over the ranks, so nobody's lateness counts; the fastest
+call of each size), so the model and the measurements share one instrument. :func:`fits` fits ``time = alpha + bytes / bandwidth`` per collective
+(:func:`helpers.calc.comm.fit_alpha_beta`); :func:`calls_of` lists a traced run's collectives from the course's byte
+formulas (DDP's buckets, FSDP2's per-layer gathers and reductions, TP's 4 all-reduces per layer); :func:`residuals`
+sets the prediction beside the trace (:func:`helpers.calc.traces.collective_costs`).
+
+Example (notebook cells)::
+
+    sweep = launch.torchrun("course/collective_sweep.py", nproc=n, args=["--trace"])
+    model = model_lesson.show_fits(sweep)
+    table = model_lesson.show_residuals(model, runs | {"tp": tp})
+    model_lesson.claim_model(model, table, sweep)
+"""
+from __future__ import annotations
+
+import statistics
+
+from ...calc import comm
+from ...calc import traces as calc
+from .. import traces
+from ..checks import claim
+
+LABEL = "sweep "
+LOWER = 0.75    # a step's collectives never cost less than this share of the model's prediction (noise below it)
+RING_RS = 0.5   # on a ring, a reduce-scatter of S bytes sends half an all-reduce's bytes (helpers/calc/tp.py)
+LARGE = 2 ** 20  # from this message size up, bandwidth dominates the latency (alpha is about 0.2 ms here)
+
+
+def costs(sweep) -> dict[str, dict[int, float]]:
+    """{collective: {message bytes: the fastest of its calls, seconds}} from the sweep's traces: a busy core, a late
+    wake-up, a page fault only ever add time, so the fastest call is the collective's own cost (the median moved
+    by 2x between two runs on this machine; the fastest stays put)."""
+    out: dict[str, dict[int, float]] = {}
+    for label, calls in calc.labelled_costs(calc.spans_of(traces.load(sweep)), LABEL).items():
+        _, op, size = label.split()
+        out.setdefault(op, {})[int(size)] = min(calls)
+    return out
+
+
+def fits(sweep) -> dict[str, dict]:
+    """{collective: :func:`helpers.calc.comm.fit_alpha_beta` of its sweep} (and ``sizes``, ``seconds``)."""
+    out = {}
+    for op, by_size in costs(sweep).items():
+        sizes = sorted(by_size)
+        out[op] = dict(comm.fit_alpha_beta(sizes, [by_size[s] for s in sizes]), sizes=sizes,
+                       seconds=[by_size[s] for s in sizes])
+    return out
+
+
+def show_fits(sweep) -> dict[str, dict]:
+    """The fitted latency and bandwidth per collective and the worst residual of the fit: timings, not compared."""
+    model = fits(sweep)
+    print(f"{'collective':<15} {'alpha (us)':>10} {'bandwidth (GB/s)':>17} {'worst residual':>15}")
+    for op, f in model.items():
+        worst = max(f["residuals"], key=abs)
+        print(f"{op:<15} {f['alpha'] * 1e6:>10.0f} {f['bandwidth']:>17.2f} {worst:>+15.0%}")
+    print("time = alpha + bytes / bandwidth, least squares on relative error; residual = measured / fitted - 1")
+    return model
+
+
+def rs_over_ar(model: dict) -> float:
+    """The median over the sweep's sizes of at least :data:`LARGE` bytes of reduce_scatter's cost over
+    all_reduce's at the same size (measured, not fitted: one noisy size cannot tilt a fitted slope)."""
+    rs, ar = (dict(zip(model[op]["sizes"], model[op]["seconds"])) for op in ("reduce_scatter", "all_reduce"))
+    return statistics.median(rs[s] / ar[s] for s in sorted(set(rs) & set(ar)) if s >= LARGE)
+
+
+def calls_of(run) -> list[tuple[str, float]]:
+    """A traced run's collectives per step per rank, from the course's byte formulas and what the run reports:
+    ``(collective, message bytes)`` in the counters' convention (:func:`helpers.calc.comm.bytes_sent_per_rank`)."""
+    r = run.result
+    n = r["world_size"]
+    if n == 1:
+        return []  # one rank: DDP, FSDP2 and TP call no collective
+    if r.get("framework") == "tp":
+        g = r["gpt"]
+        calls = sum(sum(phase.values()) for phase in r["tp_comm_calls"].values())
+        return [("all_reduce", r["global_batch"] // r["dp_degree"] * g["seq_len"] * g["d_model"] * 4)] * calls
+    mode, layer_bytes = r["ddp_sync"], r["grad_mib"] * 2 ** 20 / 8
+    if mode == "no-overlap":
+        return [("all_reduce", r["grad_mib"] * 2 ** 20)]
+    if mode.startswith("fsdp2"):
+        gathers = 8 if mode == "fsdp2-keep" else 16
+        return [("all_gather", layer_bytes / n)] * gathers + [("reduce_scatter", layer_bytes)] * 8
+    return [("all_reduce", b) for b in r["ddp_buckets"]]
+
+
+def residuals(model: dict, runs: dict) -> list[dict]:
+    """Per run: the predicted and the traced communication per step (median over the profiled steps), their ratio,
+    and how much of it compute hid."""
+    from .step import rows
+
+    out = []
+    for label, run in runs.items():
+        calls = calls_of(run)
+        predicted = comm.predict_calls(model, calls) if calls else 0.0
+        measured = statistics.median(c["seconds"] for c in calc.collective_costs(calc.spans_of(traces.load(run))))
+        hidden = [r["hidden"] for r in rows(run) if r["hidden"] is not None]
+        out.append(dict(config=label, calls=len(calls), predicted=predicted, measured=measured,
+                        ratio=measured / predicted if predicted else None,
+                        hidden=statistics.median(hidden) if hidden else None))
+    return out
+
+
+def show_residuals(model: dict, runs: dict) -> list[dict]:
+    """The residual table: timings, not compared."""
+    table = residuals(model, runs)
+    print(f"{'configuration':<15} {'calls':>5} {'predicted ms':>13} {'traced ms':>10} {'traced/pred':>12} "
+          f"{'hidden':>7}")
+    for t in table:
+        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        hidden = "-" if t["hidden"] is None else f"{t['hidden']:.0%}"
+        print(f"{t['config']:<15} {t['calls']:>5} {t['predicted'] * 1e3:>13.1f} {t['measured'] * 1e3:>10.1f} "
+              f"{ratio:>12} {hidden:>7}")
+    print("per step and rank, median over the profiled steps; each collective's cost is the shortest over the ranks")
+    return table
+
+
+def claim_model(model: dict, table: list[dict], sweep) -> None:
+    """The claims that hold on any machine of this kind: gloo's reduce-scatter is an all-reduce (the trace's span
+    names) and costs like one, not the ring's half; and the model is a floor for a real step's collectives."""
+    from collections import Counter
+
+    names = Counter(s["name"] for s in calc.spans_of(traces.load(sweep)) if s["kind"] == "comm")
+    claim("gloo runs reduce_scatter as an all_reduce: the sweep's trace holds no reduce_scatter span",
+          not any("reduce_scatter" in n for n in names) and names["gloo:all_reduce"] > 0,
+          measured=", ".join(f"{n} x{k}" for n, k in sorted(names.items()) if "barrier" not in n))
+    ratio = rs_over_ar(model)
+    claim(f"so a reduce-scatter of S bytes costs as much as an all-reduce of S here, or more, not the ring's "
+          f"{RING_RS:g} x (the median ratio of their measured costs from {LARGE // 2 ** 20} MiB up, above 0.75)",
+          ratio > 0.75,
+          measured=f"{ratio:.2f}")
+    priced = [t for t in table if t["ratio"] is not None]
+    if not priced:
+        claim("one rank: the formulas predict no collective, and the traces time none (under 1 ms a step)",
+              all(t["calls"] == 0 and t["measured"] < 1e-3 for t in table))
+        return
+    claim(f"the model is a floor: every step's collectives took at least {LOWER:g} x its prediction",
+          all(t["ratio"] >= LOWER for t in priced),
+          measured=f"{len(priced)} configurations, traced/predicted {min(t['ratio'] for t in priced):.2f} to "
+                   f"{max(t['ratio'] for t in priced):.2f}")

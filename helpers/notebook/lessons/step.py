@@ -1,0 +1,284 @@
+"""Notebook 11 (inside a step): the settings, tables, timelines and claim lines its cells call.
+
+``course/overlap.py`` trains one MLP six ways: DDP with small buckets, DDP with one bucket, no overlap (``no_sync``
+and one all-reduce after the backward) (:data:`DDP_MODES`), and FSDP2 resharding after the forward or not, and with
+explicit prefetch (:data:`FSDP_MODES`), each launched with ``--profile-steps``, so every rank leaves a torch.profiler
+trace; ``course/gpt_tp.py`` adds tensor parallelism's all-reduces. :mod:`helpers.calc.traces` splits each profiled step of each rank into compute,
+communication and exposed communication (communication while no compute ran); here those become a table, one
+timeline per mode, and the claims. The share of communication *hidden* behind compute, ``1 - exposed / comm``, is
+what the three modes differ in by construction; the exposed *time* is compared only where every rank has a core of
+its own, since ranks that take turns on a core wait for the scheduler too (the cell says which it did).
+
+Example (notebook cells)::
+
+    cfg = lesson.settings(PROFILE, NPROC)
+    runs = {mode: launch.torchrun("course/overlap.py", nproc=cfg.nproc, args=cfg.args(mode)) for mode in
+            lesson.DDP_MODES}
+    lesson.show_table(runs)
+    lesson.claim_overlap(runs, cfg)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+from ...calc import traces as calc
+from .. import traces
+from ..checks import claim
+
+SCRIPT = "course/overlap.py"
+DDP_MODES = ("buckets", "one-bucket", "no-overlap")
+FSDP_MODES = ("fsdp2", "fsdp2-keep", "fsdp2-prefetch")
+MODES = DDP_MODES + FSDP_MODES
+LAYERS = 8  # the script's MLP
+NONE_HIDDEN = 0.01   # no-overlap: nothing runs beside its all-reduce, so its hidden share is 0 up to span edges
+FEW_HIDDEN = 0.05    # one bucket: it starts when the backward has ended; only its last microseconds can overlap
+MORE_HIDDEN = 0.20   # buckets: their hidden share exceeds one bucket's by at least this (measured 0.35-0.85)
+
+
+@dataclass(frozen=True)
+class Settings:
+    profile: str
+    nproc: int
+    cores: int
+    steps: int = 8
+    profiled: int = 5
+    width: int = 1024
+
+    @property
+    def own_cores(self) -> bool:
+        """Every rank has a core of its own (else ranks take turns and their waits include the scheduler's)."""
+        return self.nproc <= self.cores
+
+    def args(self, mode: str) -> list:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+        return ["--mode", mode, "--steps", self.steps, "--skip-steps", self.steps - self.profiled,
+                "--profile-steps", self.profiled, "--width", self.width]
+
+    def zero3_args(self) -> list:
+        """course/ds_cifar10.py (notebook 03's script) at ZeRO stage 3 on generated images, 3 of 8 steps profiled."""
+        return ["--stage", 3, "--steps", 8, "--skip-steps", 5, "--profile-steps", 3, "--dataset", "synthetic",
+                "--train-size", 2000]
+
+    def tp_args(self) -> list:
+        """course/gpt_tp.py (notebook 09's script, its defaults) with the last 3 of 6 steps profiled."""
+        return ["--steps", 6, "--skip-steps", 3, "--profile-steps", 3]
+
+    def __str__(self) -> str:
+        return (f"profile={self.profile} nproc={self.nproc} ({self.cores} cores here) steps={self.steps}, the last "
+                f"{self.profiled} profiled; MLP of 8 layers x {self.width}")
+
+
+def resolve(profile: str, cores: int, nproc=None) -> Settings:
+    """The parameters with their defaults filled in, or a ValueError that says what to change."""
+    nproc = 2 if nproc is None else nproc
+    if not isinstance(nproc, int) or not 1 <= nproc <= 4:
+        raise ValueError(f"NPROC={nproc!r}: use 1, 2, 3 or 4 ranks (the TP run splits 12 heads; 2 shows the overlap "
+                         "best on a 2-core machine)")
+    return Settings(profile, nproc, cores, width=1024 if profile == "smoke" else 4096)
+
+
+def settings(profile="auto", nproc=None) -> Settings:
+    """:func:`resolve` with this machine's profile and cores; prints the result."""
+    from .. import env
+
+    cfg = resolve(env.profile(profile), len(os.sched_getaffinity(0)), nproc)
+    print(cfg)
+    if cfg.nproc == 1:
+        print("NPROC=1: one rank has nobody to exchange gradients with; DDP skips the all-reduce, so the timelines "
+              "show compute only and the overlap claims below have nothing to compare.")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- 1. the numbers
+
+
+def rows(run) -> list[dict]:
+    """Every profiled step of every rank of ``run``: ``span``, ``compute``, ``comm``, ``exposed`` (seconds) and
+    ``hidden``, the share of the communication that ran while compute did (None where there was none)."""
+    out = []
+    for rank, steps in traces.split(run).items():
+        for r in steps:
+            hidden = 1 - r["exposed"] / r["comm"] if r["comm"] > 0 else None
+            out.append(dict(r, rank=rank, hidden=hidden))
+    return out
+
+
+def summary(runs: dict) -> dict[str, dict]:
+    """Per mode, the median over ranks and steps of each quantity and its spread (min, max)."""
+    out = {}
+    for mode, run in runs.items():
+        rs = rows(run)
+        out[mode] = {}
+        for key in ("span", "compute", "comm", "exposed", "hidden"):
+            values = [r[key] for r in rs if r[key] is not None]
+            out[mode][key] = (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+        out[mode]["buckets"] = len(run.result.get("ddp_buckets") or [])
+    return out
+
+
+def show_table(runs: dict) -> dict:
+    """The table of :func:`summary`, milliseconds (and percent for the hidden share): timings, not compared."""
+    s = summary(runs)
+    print(f"{'mode':<16} {'buckets':>7}  {'step ms':>15}  {'compute ms':>15}  {'comm ms':>15}  {'exposed ms':>15}  "
+          f"{'hidden':>13}")
+
+    def cell(v, scale=1e3, fmt="{:.0f}"):
+        med, lo, hi = v
+        return "-" if med is None else f"{fmt.format(med * scale)} ({fmt.format(lo * scale)}-{fmt.format(hi * scale)})"
+
+    for mode, q in s.items():
+        print(f"{mode:<16} {q['buckets']:>7}  " + "  ".join(f"{cell(q[k]):>15}" for k in ("span", "compute", "comm",
+                                                                                           "exposed"))
+              + f"  {cell(q['hidden'], 100):>13}")
+    print("median over ranks and profiled steps (min-max); hidden: % of the communication time that compute covered")
+    return s
+
+
+def plot_modes(runs: dict, step: int = -1):
+    """One profiled step of every mode, the timeline of every rank (:func:`helpers.notebook.traces.plot_step`)."""
+    import matplotlib.pyplot as plt
+
+    ranks = len(traces.split(next(iter(runs.values()))))
+    fig, axes = plt.subplots(len(runs), 1, squeeze=False, figsize=(11, len(runs) * (1.0 + 0.9 * ranks)), sharex=True)
+    for ax, (mode, run) in zip(axes.flat, runs.items()):
+        n = len(traces.split(run)[0])
+        traces.plot_step(run, step=step % n, ax=ax)
+        ax.set_title(f"{mode}: one step, compute and communication per rank (hatched: exposed)", fontsize=10)
+        ax.label_outer()
+    fig.tight_layout()
+    return fig
+
+
+def merged(runs: dict) -> dict[str, str]:
+    """Write each run's merged trace (``trace.json``, a lane per rank) and return its path relative to the runs
+    folder (no absolute path: committed outputs show it)."""
+    from ... import launch
+
+    root = launch.runs_root().resolve()
+    out = {}
+    for mode, run in runs.items():
+        path = traces.write_merged(run).resolve()
+        out[mode] = os.path.relpath(path, root.parent)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- 2. the claims
+
+
+def claim_buckets(runs: dict, cfg: Settings) -> None:
+    """How many buckets DDP made: one per layer with --bucket-mb 4 (a 1024 x 1024 layer is 4 MiB, so each layer
+    fills a bucket by itself), one with a cap larger than the model; none used by no-overlap."""
+    got = {mode: runs[mode].result.get("ddp_buckets") or [] for mode in DDP_MODES}
+    layer = cfg.width * (cfg.width + 1) * 4  # weight and bias, fp32 bytes
+    claim("DDP cut the buckets run's gradients into one bucket per layer (8), and the one-bucket run's into one",
+          got["buckets"] == [layer] * 8 and got["one-bucket"] == [8 * layer],
+          measured=f"{len(got['buckets'])} and {len(got['one-bucket'])} buckets")
+
+
+def claim_overlap(runs: dict, cfg: Settings) -> None:
+    """The hidden share of each mode (:data:`NONE_HIDDEN`, :data:`FEW_HIDDEN`, :data:`MORE_HIDDEN`), and where every
+    rank has a core, that bucketing leaves less communication exposed than no overlap."""
+    s = summary(runs)
+    if cfg.nproc == 1:
+        comm = max(q["comm"][0] / q["span"][0] for q in s.values())
+        claim("one rank communicates nothing worth hiding: its collectives take under 1% of a step", comm < 0.01,
+              measured=f"at most {100 * comm:.2f}%")
+        return
+    hidden = {mode: s[mode]["hidden"][0] for mode in DDP_MODES}
+    pct = {mode: f"{100 * h:.0f}%" for mode, h in hidden.items()}
+    claim(f"no overlap: the all-reduce runs after the backward, so compute hides at most {NONE_HIDDEN:.0%} of it",
+          hidden["no-overlap"] <= NONE_HIDDEN, measured=f"{100 * hidden['no-overlap']:.1f}% hidden")
+    claim(f"one bucket: it can start only when the backward is over, so compute hides at most {FEW_HIDDEN:.0%} of it",
+          hidden["one-bucket"] <= FEW_HIDDEN, measured=f"{100 * hidden['one-bucket']:.1f}% hidden")
+    claim(f"buckets: each all-reduce starts while the backward goes on, hiding {MORE_HIDDEN:.0%} more of the "
+          "communication than one bucket", hidden["buckets"] >= hidden["one-bucket"] + MORE_HIDDEN,
+          measured=f"{pct['buckets']} vs {pct['one-bucket']} hidden")
+    exposed = {mode: s[mode]["exposed"][0] for mode in DDP_MODES}
+    if cfg.own_cores:
+        claim("with a core per rank, bucketing leaves less communication exposed than no overlap",
+              exposed["buckets"] < exposed["no-overlap"],
+              measured=f"{1e3 * exposed['buckets']:.0f} vs {1e3 * exposed['no-overlap']:.0f} ms per step")
+    else:
+        print(f"{cfg.nproc} ranks on {cfg.cores} cores take turns: a rank's exposed time includes waiting for a core, "
+              "so it is not compared here (the table shows it).")
+
+
+# ---------------------------------------------------------------------------------------- 3. FSDP2 and TP
+
+
+def comm_names(run) -> list[Counter]:
+    """Per rank, how many spans of each collective one profiled step holds (the median step's counts)."""
+    spans = calc.spans_of(traces.load(run))
+    out = []
+    for rank in sorted({s["rank"] for s in spans}):
+        mine = [s for s in spans if s["rank"] == rank]
+        steps = [s for s in mine if s["kind"] == "step"]
+        counts = [Counter(c["name"] for c in mine if c["kind"] == "comm" and st["t0"] <= c["t0"] < st["t1"])
+                  for st in steps]
+        out.append(Counter({k: statistics.median_low([c[k] for c in counts]) for k in set().union(*counts)}))
+    return out
+
+
+def claim_fsdp(runs: dict, cfg: Settings) -> None:
+    """What FSDP2 calls per step, counted in the traces: a gather per layer before its forward, another before its
+    backward unless reshard_after_forward=False keeps it, and one gradient reduction per layer, which gloo runs as
+    an all-reduce (pytorch/pytorch#149869); and on a CPU device, none of it hidden (no separate streams)."""
+    got = {mode: comm_names(runs[mode]) for mode in FSDP_MODES}
+    if cfg.nproc == 1:
+        claim("one rank: FSDP2 has no shard to gather and no gradient to reduce, so its steps hold no collective",
+              all(not sum(c.values()) for counts in got.values() for c in counts))
+        return
+    gathers = {mode: {c.get("gloo:all_gather", 0) for c in counts} for mode, counts in got.items()}
+    reduces = {mode: {c.get("gloo:all_reduce", 0) for c in counts} for mode, counts in got.items()}
+    claim(f"resharding after the forward, every rank gathers each of the {LAYERS} layers twice a step (forward and "
+          "backward), with explicit prefetch too", gathers["fsdp2"] == gathers["fsdp2-prefetch"] == {2 * LAYERS},
+          measured=f"{sorted(gathers['fsdp2'])} and {sorted(gathers['fsdp2-prefetch'])} all-gathers")
+    claim("reshard_after_forward=False keeps the gathered layers until the backward: one gather per layer",
+          gathers["fsdp2-keep"] == {LAYERS}, measured=f"{sorted(gathers['fsdp2-keep'])} all-gathers")
+    claim("each layer's gradient reduction runs on gloo as an all_reduce span (no reduce_scatter in the trace)",
+          all(r == {LAYERS} for r in reduces.values()) and not any("gloo:reduce_scatter" in c for counts in
+                                                                    got.values() for c in counts),
+          measured=f"{sorted(reduces['fsdp2'])} all-reduces")
+    s = summary(runs)
+    hidden = {mode: s[mode]["hidden"][0] for mode in FSDP_MODES}
+    claim(f"on a CPU, FSDP2's main thread waits for each collective where it issues it: compute hides at most "
+          f"{FEW_HIDDEN:.0%} of its communication, prefetch or not", all(h <= FEW_HIDDEN for h in hidden.values()),
+          measured=", ".join(f"{mode} {100 * h:.1f}%" for mode, h in hidden.items()))
+
+
+def claim_zero3(run, cfg: Settings) -> None:
+    """DeepSpeed ZeRO-3 in the trace: every profiled step of every rank gathers parameters, and its gradient
+    reduction is gloo's all_reduce as FSDP2's is (no reduce_scatter span)."""
+    counts = comm_names(run)
+    if cfg.nproc == 1:
+        print("NPROC=1: ZeRO-3 on one rank holds whole parameters; what it calls is a collective of one.")
+        return
+    claim("ZeRO-3 gathers parameters in every step on every rank, and reduces gradients with all_reduce spans (no "
+          "reduce_scatter in the trace)", all(c.get("gloo:all_gather", 0) > 0 and c.get("gloo:all_reduce", 0) > 0
+                                              and not any("reduce_scatter" in k for k in c) for c in counts),
+          measured=f"per step {sorted({c.get('gloo:all_gather', 0) for c in counts})} all-gathers, "
+                   f"{sorted({c.get('gloo:all_reduce', 0) for c in counts})} all-reduces")
+
+
+def claim_tp(run, cfg: Settings) -> None:
+    """TP's all-reduces in the trace: 4 per layer per step (2 regions x forward and backward, notebook 09), each
+    waited for on the main thread before the next operator can use its result."""
+    spans = calc.spans_of(traces.load(run))
+    result = run.result
+    layers = result["gpt"]["n_layer"]
+    steps = {s["rank"]: 0 for s in spans}
+    for s in spans:
+        steps[s["rank"]] += s["kind"] == "step"
+    per_step = {r: sum(1 for s in spans if s["rank"] == r and s["name"] == "gloo:all_reduce") / max(1, steps[r])
+                for r in steps}
+    waits = {r: sum(1 for s in spans if s["rank"] == r and s["kind"] == "wait") / max(1, steps[r]) for r in steps}
+    want = 4 * layers if cfg.nproc > 1 else 0
+    claim(f"TP all-reduces 4 times per layer per step: {want} on every rank for {layers} layers",
+          set(per_step.values()) == {want}, measured=f"{sorted(set(per_step.values()))} per step")
+    if cfg.nproc > 1:
+        claim("and the main thread waits for each one (a wait_tensor span per all-reduce): the next operator needs "
+              "its result", waits == per_step, measured=f"{sorted(set(waits.values()))} waits per step")

@@ -1,0 +1,55 @@
+"""Notebook 11's exercises: exposed communication from a step's intervals (an answer check), and the gradient sync
+without overlap written by hand, run on real gloo ranks against DDP's gradients; the reference passes (at 2 and 3
+ranks) and each classic mistake gets its own hint."""
+import pytest
+
+from helpers.notebook.exercises import write, write_trace
+
+SOLUTION = write.solution("average_gradients")
+MISTAKES = {  # (text in the solution, what a learner writes instead, words of the hint)
+    "the sum, not the mean": ("    flat /= dist.get_world_size()  # DDP averages\n", "", "Divide by"),
+    "the result never copied back": ("        g.copy_(part.view_as(g))", "        pass", "copy the result back"),
+    "one all-reduce per parameter": (
+        "    flat = torch.cat([g.reshape(-1) for g in grads])  # one tensor: one all-reduce, one latency\n"
+        "    dist.all_reduce(flat)  # the sum over the ranks, in place\n"
+        "    flat /= dist.get_world_size()  # DDP averages\n"
+        "    for g, part in zip(grads, flat.split([g.numel() for g in grads])):\n"
+        "        g.copy_(part.view_as(g))\n",
+        "    for g in grads:\n        dist.all_reduce(g)\n        g /= dist.get_world_size()\n", "Flatten them first"),
+    "only rank 0 syncs": ("    dist.all_reduce(flat)  # the sum", "    if dist.get_rank() == 0:\n"
+                          "        dist.all_reduce(flat)  # the sum", "Another rank had already left"),
+}
+
+
+def test_the_outline_is_answered_without_a_launch(monkeypatch):
+    monkeypatch.setattr(write_trace, "run_on_ranks", lambda *a, **k: pytest.fail("launched an outline"))
+    verdict = write.check_grad_sync("def average_gradients(model):\n    # flatten\n    ...\n")
+    assert not verdict and "nothing was launched" in verdict.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_reference_passes(nproc):
+    verdict = write.check_grad_sync(SOLUTION, nproc=nproc)
+    assert verdict and "one all-reduce" in verdict.message, verdict
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_each_grad_sync_mistake_gets_its_hint(mistake):
+    old, new, hint = MISTAKES[mistake]
+    assert old in SOLUTION
+    verdict = write.check_grad_sync(SOLUTION.replace(old, new), nproc=2)
+    assert not verdict and hint in verdict.hint, verdict
+
+
+STEP = dict(compute=[(0, 42), (48, 70), (88, 95)], comm=[(30, 55), (60, 80)])  # notebook 11's exercise 2
+
+
+def test_exposed_communication_by_hand_and_each_slip_gets_its_hint():
+    assert write.check_exposed(16, **STEP) and write.check_exposed(16.1, **STEP)  # 42-48 and 70-80
+    for answer, hint in ((45, "all of the communication"), (29, "hidden part"), (3, "one time axis")):
+        verdict = write.check_exposed(answer, **STEP)
+        assert not verdict and hint in verdict.hint, verdict
+    assert "difference of totals" in write.check_exposed(30, compute=[(0, 40)], comm=[(20, 90)]).hint
+    assert not write.check_exposed("16", **STEP) and not write.check_exposed(True, **STEP)

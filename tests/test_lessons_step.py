@@ -1,0 +1,240 @@
+"""Notebook 11 (inside a step): its settings refuse what cannot run; its claims say True on traces whose timing is
+what the prose says and False when a fault is injected (a bucket that waits for the backward, a second gather
+missing, a TP all-reduce nobody waits for, a model that overprices); the byte formulas behind the predictions; and
+(slow) the six modes of course/overlap.py and the traced sweep on real ranks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.calc import traces as calc
+from helpers.notebook import checks
+from helpers.notebook import traces as nb_traces
+from helpers.notebook.lessons import comm_model
+from helpers.notebook.lessons import step as lesson
+
+LAYER = 1024 * 1025 * 4  # bytes of one 1024 x 1024 layer with its bias, fp32
+
+
+def verdicts(capsys) -> dict[str, bool]:
+    return dict(checks.parse(capsys.readouterr().out))
+
+
+def event(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "cat": cat, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+
+class FakeRun:
+    """A run folder with one trace per rank and a result.json, read the way a real Run is."""
+
+    def __init__(self, tmp_path, name: str, per_rank: dict[int, list[dict]], result: dict):
+        self.run_dir = tmp_path / name
+        self.run_dir.mkdir()
+        for rank, events in per_rank.items():
+            (self.run_dir / f"trace_rank{rank}.json").write_text(json.dumps({"traceEvents": events}))
+        self.result = result
+
+
+def ddp_step(t0: float, comm_at: float, comm_dur: float, *, calls: int = 1, step_dur: float = 1000.0) -> list[dict]:
+    """One step: forward+backward compute 0-600 (backward from 200), the optimizer at 900-950 us; ``calls``
+    all-reduces of ``comm_dur`` each from ``comm_at`` on, one after the other, on gloo's thread."""
+    events = [event("ProfilerStep#1", t0, step_dur, cat="user_annotation"), event("aten::mm", t0, 200),
+              event("autograd::engine::evaluate_function: MmBackward0", t0 + 200, 400),
+              event("Optimizer.step#SGD.step", t0 + 900, 50)]
+    for k in range(calls):
+        events.append(event("gloo:all_reduce", t0 + comm_at + k * comm_dur, comm_dur, tid=2, cat="user_annotation"))
+    return events
+
+
+def ddp_runs(tmp_path, *, buckets_at: float = 250.0, nproc: int = 2) -> dict[str, FakeRun]:
+    """The three DDP modes: buckets from ``buckets_at`` (inside the backward unless moved past 600), one bucket and
+    no overlap after the backward."""
+    def steps(**kw):
+        return {r: ddp_step(0, **kw) + ddp_step(2000, **kw) for r in range(nproc)}
+
+    res = dict(world_size=nproc, grad_mib=8 * LAYER / 2 ** 20)
+    return {"buckets": FakeRun(tmp_path, "b", steps(comm_at=buckets_at, comm_dur=40, calls=8),
+                               dict(res, ddp_sync="buckets", ddp_buckets=[LAYER] * 8)),
+            "one-bucket": FakeRun(tmp_path, "o", steps(comm_at=610, comm_dur=250),
+                                  dict(res, ddp_sync="one-bucket", ddp_buckets=[8 * LAYER])),
+            "no-overlap": FakeRun(tmp_path, "n", steps(comm_at=620, comm_dur=250),
+                                  dict(res, ddp_sync="no-overlap", ddp_buckets=[]))}
+
+
+def test_settings_refuse_rank_counts_the_chapter_cannot_run():
+    for bad in (0, 5, 2.5, "2"):
+        with pytest.raises(ValueError, match="NPROC"):
+            lesson.resolve("smoke", 2, bad)
+    cfg = lesson.resolve("smoke", 2, None)
+    assert cfg.nproc == 2 and cfg.own_cores and not lesson.resolve("smoke", 2, 3).own_cores
+    args = [str(a) for a in cfg.args("fsdp2-keep")]
+    assert args[args.index("--profile-steps") + 1] == "5" and args[args.index("--mode") + 1] == "fsdp2-keep"
+    with pytest.raises(ValueError, match="mode"):
+        cfg.args("zero-3")
+
+
+def test_bucketing_claims_hold_on_overlapping_traces_and_fail_when_the_buckets_wait(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 2)
+    runs = ddp_runs(tmp_path)
+    lesson.claim_buckets(runs, cfg)
+    lesson.claim_overlap(runs, cfg)
+    got = verdicts(capsys)
+    assert len(got) == 5 and all(got.values()), got
+    (tmp_path / "late").mkdir()
+    late = ddp_runs(tmp_path / "late", buckets_at=610)
+    lesson.claim_overlap(late, cfg)  # the fault: buckets that start only after the backward
+    got = verdicts(capsys)
+    assert [ok for text, ok in got.items() if text.startswith("buckets")] == [False]
+    assert [ok for text, ok in got.items() if text.startswith("with a core")] == [False]
+
+
+def test_exposed_time_is_not_compared_when_ranks_share_cores(tmp_path, capsys):
+    lesson.claim_overlap(ddp_runs(tmp_path, nproc=3), lesson.resolve("smoke", 2, 3))
+    out = capsys.readouterr().out
+    assert "take turns" in out and not any(t.startswith("with a core") for t, _ in checks.parse(out))
+
+
+def fsdp_step(t0: float, gathers: int, reduces: int, waited: bool = True) -> list[dict]:
+    """FSDP2 on a CPU: each collective inside the main-thread span that waits for it (unless ``waited`` is False:
+    the fault, collectives running beside compute)."""
+    events = [event("ProfilerStep#1", t0, 1000, cat="user_annotation"), event("aten::mm", t0, 900)]
+    for k in range(gathers):
+        events += [event("gloo:all_gather", t0 + 10 * k, 5, tid=2)]
+        events += [event(f"FSDP::all_gather ({k})", t0 + 10 * k - 1, 7)] if waited else []
+    for k in range(reduces):
+        events += [event("gloo:all_reduce", t0 + 500 + 10 * k, 5, tid=2)]
+        events += [event(f"FSDP::post_backward_reduce ({k})", t0 + 500 + 10 * k - 1, 7)] if waited else []
+    return events
+
+
+def fsdp_runs(tmp_path, keep_gathers: int = 8, waited: bool = True) -> dict[str, FakeRun]:
+    res = dict(world_size=2, grad_mib=8 * LAYER / 2 ** 20)
+    plan = {"fsdp2": 16, "fsdp2-keep": keep_gathers, "fsdp2-prefetch": 16}
+    return {mode: FakeRun(tmp_path, mode, {r: fsdp_step(0, g, 8, waited) + fsdp_step(2000, g, 8, waited)
+                                           for r in range(2)}, dict(res, ddp_sync=mode)) for mode, g in plan.items()}
+
+
+def test_fsdp_claims_count_the_gathers_and_fail_on_a_second_gather_that_should_be_gone(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 2)
+    lesson.claim_fsdp(fsdp_runs(tmp_path), cfg)
+    got = verdicts(capsys)
+    assert len(got) == 4 and all(got.values()), got
+    for fault, kw, verdict in (("keep", dict(keep_gathers=16), [True, False, True, True]),
+                               ("overlap", dict(waited=False), [True, True, True, False])):
+        (tmp_path / fault).mkdir()
+        lesson.claim_fsdp(fsdp_runs(tmp_path / fault, **kw), cfg)
+        assert list(verdicts(capsys).values()) == verdict, fault
+
+
+def tp_run(tmp_path, name: str, waits: int) -> FakeRun:
+    events = []
+    for t0 in (0, 2000):
+        events += [event("ProfilerStep#1", t0, 1000, cat="user_annotation")]
+        events += [event("gloo:all_reduce", t0 + 100 * k, 20, tid=2) for k in range(8)]
+        events += [event("_c10d_functional::wait_tensor", t0 + 100 * k + 5, 15) for k in range(waits)]
+    return FakeRun(tmp_path, name, {0: events, 1: events},
+                   dict(framework="tp", world_size=2, gpt={"n_layer": 2, "seq_len": 48, "d_model": 96},
+                        global_batch=8, dp_degree=1,
+                        tp_comm_calls={"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}))
+
+
+def test_tp_claims_count_the_all_reduces_and_their_waits(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 2)
+    lesson.claim_tp(tp_run(tmp_path, "tp", waits=8), cfg)
+    assert list(verdicts(capsys).values()) == [True, True]
+    lesson.claim_tp(tp_run(tmp_path, "tp_unwaited", waits=7), cfg)
+    assert list(verdicts(capsys).values()) == [True, False]
+
+
+def test_the_byte_formulas_list_each_configurations_collectives(tmp_path):
+    runs = ddp_runs(tmp_path) | fsdp_runs(tmp_path)
+    assert comm_model.calls_of(runs["buckets"]) == [("all_reduce", LAYER)] * 8
+    assert comm_model.calls_of(runs["no-overlap"]) == [("all_reduce", pytest.approx(8 * LAYER))]
+    keep = comm_model.calls_of(runs["fsdp2-keep"])
+    assert keep.count(("all_gather", LAYER / 2)) == 8 and keep.count(("reduce_scatter", LAYER)) == 8
+    assert len(comm_model.calls_of(runs["fsdp2"])) == 24
+    assert comm_model.calls_of(tp_run(tmp_path, "tp", 8)) == [("all_reduce", 8 * 48 * 96 * 4)] * 8
+    runs["buckets"].result["world_size"] = 1
+    assert comm_model.calls_of(runs["buckets"]) == []
+
+
+def sweep_run(tmp_path, rs_name: str = "gloo:all_reduce") -> FakeRun:
+    """A traced sweep of all_reduce and reduce_scatter, each exactly alpha + bytes / bandwidth."""
+    events, t = [], 0.0
+    for op, name, alpha, bw in (("all_reduce", "gloo:all_reduce", 100.0, 1e3), ("reduce_scatter", rs_name, 100.0,
+                                                                                  1e3)):
+        for size in (1e5, 1e6, 1e7):
+            for _ in range(3):
+                dur = alpha + size / bw  # microseconds: 1e3 bytes per us = 1 GB/s
+                events += [event(f"sweep {op} {int(size)}", t, dur + 20), event(name, t + 10, dur, tid=2)]
+                t += dur + 100
+    return FakeRun(tmp_path, "sweep" + rs_name[-3:], {0: events, 1: events}, {})
+
+
+def test_the_model_is_fitted_from_the_sweeps_spans_and_claimed_as_a_floor(tmp_path, capsys):
+    sweep = sweep_run(tmp_path)
+    model = comm_model.fits(sweep)
+    assert model["all_reduce"]["alpha"] == pytest.approx(100e-6) and model["all_reduce"]["bandwidth"] == \
+        pytest.approx(1.0)
+    table = [dict(config="a", calls=1, predicted=1.0, measured=1.2, ratio=1.2, hidden=0.0)]
+    comm_model.claim_model(model, table, sweep)
+    assert list(verdicts(capsys).values()) == [True, True, True]
+    cheap = [dict(table[0], measured=0.5, ratio=0.5)]  # the fault: a step's collectives cheaper than the model
+    comm_model.claim_model(model, cheap, sweep_run(tmp_path, rs_name="gloo:reduce_scatter"))
+    assert list(verdicts(capsys).values()) == [False, True, False]
+
+
+def test_labelled_costs_take_the_last_arrival_of_each_call():
+    spans = calc.spans_of({0: {"traceEvents": [event("sweep a 1", 0, 100), event("gloo:x", 10, 80, tid=2),
+                                               event("sweep a 1", 200, 100), event("gloo:x", 210, 30, tid=2)]},
+                           1: {"traceEvents": [event("sweep a 1", 0, 100), event("gloo:x", 50, 40, tid=2),
+                                               event("sweep a 1", 200, 100), event("gloo:x", 205, 60, tid=2)]}})
+    assert calc.labelled_costs(spans, "sweep ") == {"sweep a 1": [pytest.approx(40e-6), pytest.approx(30e-6)]}
+
+
+def test_collective_costs_match_the_kth_collective_and_refuse_disagreeing_ranks():
+    def rank(durs):
+        return {"traceEvents": [event("ProfilerStep#1", 0, 1000, cat="user_annotation")] +
+                [event("gloo:all_reduce", 100 * k, d, tid=2) for k, d in enumerate(durs)]}
+
+    rows = calc.collective_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20, 30])}))
+    assert rows == [dict(seconds=pytest.approx(30e-6), calls=2, names=["gloo:all_reduce"] * 2)]
+    with pytest.raises(ValueError, match="different numbers"):
+        calc.collective_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20])}))
+
+
+# --- real runs ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_six_modes_run_and_their_traces_back_every_claim_at_two_ranks(runs_root, capsys):
+    from helpers import launch
+
+    cfg = lesson.resolve("smoke", 2, 2)
+    runs = {mode: launch.torchrun(lesson.SCRIPT, nproc=2, args=cfg.args(mode), name="t_" + mode, show="none",
+                                  timeout=300) for mode in lesson.MODES}
+    # DDP's own record of its buckets (the private _get_ddp_logging_data, pinned here): one per 4 MiB layer
+    assert runs["buckets"].result["ddp_buckets"] == [LAYER] * 8
+    assert runs["one-bucket"].result["ddp_buckets"] == [8 * LAYER]
+    lesson.claim_buckets(runs, cfg)
+    lesson.claim_fsdp(runs, cfg)
+    got = verdicts(capsys)
+    assert len(got) == 5 and all(got.values()), got
+    for mode, run in runs.items():
+        assert len(lesson.rows(run)) == 2 * 5, mode  # 2 ranks x 5 profiled steps
+
+
+@pytest.mark.slow
+def test_the_traced_sweep_prices_every_collective(runs_root):
+    from helpers import launch
+
+    sweep = launch.torchrun("course/collective_sweep.py", nproc=2, args=["--trace", "--iters", 3, "--max-bytes",
+                                                                          2 ** 21], name="t_sweep", show="none",
+                            timeout=300)
+    model = comm_model.fits(sweep)
+    assert sorted(model) == sorted(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"))
+    assert all(f["bandwidth"] > 0 and f["sizes"] == [2 ** 15, 2 ** 17, 2 ** 19, 2 ** 21] for f in model.values())
+    # every call of every size was found inside its label on both ranks (3 timed calls each)
+    labels = calc.labelled_costs(calc.spans_of(nb_traces.load(sweep)), "sweep ")
+    assert len(labels) == 5 * 4 and all(len(v) == 3 and min(v) > 0 for v in labels.values())
