@@ -122,12 +122,19 @@ def compute(rank_spans: Iterable[Mapping]) -> list[tuple[float, float]]:
                  union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "wait"))
 
 
+def by_rank(all_spans: Iterable[Mapping]) -> dict[int, list[Mapping]]:
+    """The spans of each rank, ranks in order (each rank's spans in the order given)."""
+    out: dict[int, list[Mapping]] = {}
+    for s in all_spans:
+        out.setdefault(s["rank"], []).append(s)
+    return dict(sorted(out.items()))
+
+
 def step_split(all_spans: Sequence[Mapping]) -> dict[int, list[dict]]:
     """Per rank, per profiled step (its ``ProfilerStep#`` span): ``compute``, ``comm``, ``exposed`` and ``span``,
     in seconds, and the step's ``name``."""
     out: dict[int, list[dict]] = {}
-    for rank in sorted({s["rank"] for s in all_spans}):
-        mine = [s for s in all_spans if s["rank"] == rank]
+    for rank, mine in by_rank(all_spans).items():
         busy = compute(mine)
         comm = union((s["t0"], s["t1"]) for s in mine if s["kind"] == "comm")
         rows = []
@@ -147,8 +154,7 @@ def collective_costs(all_spans: Sequence[Mapping]) -> list[dict]:
     step: ``seconds`` (the costs added up), ``calls`` (how many collectives) and ``names`` (their span names).
     Steps the ranks disagree on (a different number of collectives) raise a ValueError."""
     per_rank: dict[int, list[list[dict]]] = {}
-    for rank in sorted({s["rank"] for s in all_spans}):
-        mine = [s for s in all_spans if s["rank"] == rank]
+    for rank, mine in by_rank(all_spans).items():
         comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])
         steps = sorted((s for s in mine if s["kind"] == "step"), key=lambda s: s["t0"])
         per_rank[rank] = [[c for c in comm if st["t0"] <= c["t0"] < st["t1"]] for st in steps]
@@ -169,8 +175,7 @@ def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[
     belong to its n-th call; a call's cost is the shortest of the ranks' summed spans, seconds, as in
     :func:`collective_costs`. Returns {label: [cost of each of its calls, in order]}."""
     per_label: dict[str, dict[int, list[float]]] = {}
-    for rank in sorted({s["rank"] for s in all_spans}):
-        mine = [s for s in all_spans if s["rank"] == rank]
+    for rank, mine in by_rank(all_spans).items():
         comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])
         for label in sorted((s for s in mine if s["name"].startswith(prefix)), key=lambda s: s["t0"]):
             inside = sum(c["t1"] - c["t0"] for c in comm if label["t0"] <= c["t0"] < label["t1"])

@@ -32,9 +32,23 @@ def load(run) -> dict[int, dict]:
     return found
 
 
+_parsed: dict[tuple, list[dict]] = {}  # a finished run's traces do not change: parse each set of files once
+
+
+def spans(run) -> list[dict]:
+    """:func:`helpers.calc.traces.spans_of` the run's traces, parsed once per set of trace files (a notebook's
+    table, plots and claims all read the same run; each trace is megabytes of JSON)."""
+    folder = Path(getattr(run, "run_dir", run))
+    key = (str(folder.resolve()), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                                        for p in sorted(folder.glob("trace_rank*.json"))))
+    if key not in _parsed:
+        _parsed[key] = calc.spans_of(load(run))
+    return _parsed[key]
+
+
 def split(run) -> dict[int, list[dict]]:
     """:func:`helpers.calc.traces.step_split` of the run's traces."""
-    return calc.step_split(calc.spans_of(load(run)))
+    return calc.step_split(spans(run))
 
 
 def write_merged(run) -> Path:
@@ -45,15 +59,15 @@ def write_merged(run) -> Path:
 
 
 def plot_step(run, step: int = 0, ax=None):
-    """The ``step``-th profiled step of every rank on one time axis (milliseconds from the earliest rank's step
-    start): a row per rank for compute and one for communication; the exposed communication hatched."""
+    """The ``step``-th profiled step (negative: from the last) of every rank on one time axis (milliseconds from the
+    earliest rank's step start): a row per rank for compute and one for communication; the exposed communication
+    hatched."""
     import matplotlib.pyplot as plt
 
-    spans = calc.spans_of(load(run))
-    ranks = sorted({s["rank"] for s in spans})
-    steps = {r: sorted((s for s in spans if s["rank"] == r and s["kind"] == "step"), key=lambda s: s["t0"])
-             for r in ranks}
-    if any(len(v) <= step for v in steps.values()):
+    grouped = calc.by_rank(spans(run))
+    ranks = sorted(grouped)
+    steps = {r: sorted((s for s in grouped[r] if s["kind"] == "step"), key=lambda s: s["t0"]) for r in ranks}
+    if any(not -len(v) <= step < len(v) for v in steps.values()):
         raise ValueError(f"step {step} was not profiled on every rank ({ {r: len(v) for r, v in steps.items()} })")
     zero = min(steps[r][step]["t0"] for r in ranks)
     if ax is None:
@@ -61,7 +75,7 @@ def plot_step(run, step: int = 0, ax=None):
     rows = []
     for i, r in enumerate(ranks):
         lo, hi = steps[r][step]["t0"], steps[r][step]["t1"]
-        mine = [s for s in spans if s["rank"] == r]
+        mine = grouped[r]
         compute = calc.clip(calc.compute(mine), lo, hi)
         comm = calc.clip(calc.union((s["t0"], s["t1"]) for s in mine if s["kind"] == "comm"), lo, hi)
         for row, (kind, intervals) in enumerate((("compute", compute), ("comm", comm))):

@@ -19,11 +19,13 @@ Example (notebook cells)::
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from ...calc import comm
 from ...calc import traces as calc
 from .. import traces
 from ..checks import claim
+from .step import LAYERS, rows
 
 LABEL = "sweep "
 LOWER = 0.75    # a step's collectives never cost less than this share of the model's prediction (noise below it)
@@ -36,7 +38,7 @@ def costs(sweep) -> dict[str, dict[int, float]]:
     wake-up, a page fault only ever add time, so the fastest call is the collective's own cost (the median moved
     by 2x between two runs on this machine; the fastest stays put)."""
     out: dict[str, dict[int, float]] = {}
-    for label, calls in calc.labelled_costs(calc.spans_of(traces.load(sweep)), LABEL).items():
+    for label, calls in calc.labelled_costs(traces.spans(sweep), LABEL).items():
         _, op, size = label.split()
         out.setdefault(op, {})[int(size)] = min(calls)
     return out
@@ -81,25 +83,23 @@ def calls_of(run) -> list[tuple[str, float]]:
         g = r["gpt"]
         calls = sum(sum(phase.values()) for phase in r["tp_comm_calls"].values())
         return [("all_reduce", r["global_batch"] // r["dp_degree"] * g["seq_len"] * g["d_model"] * 4)] * calls
-    mode, layer_bytes = r["ddp_sync"], r["grad_mib"] * 2 ** 20 / 8
+    mode, layer_bytes = r["ddp_sync"], r["grad_mib"] * 2 ** 20 / LAYERS
     if mode == "no-overlap":
         return [("all_reduce", r["grad_mib"] * 2 ** 20)]
-    if mode.startswith("fsdp2"):
-        gathers = 8 if mode == "fsdp2-keep" else 16
-        return [("all_gather", layer_bytes / n)] * gathers + [("reduce_scatter", layer_bytes)] * 8
+    if mode.startswith("fsdp2"):  # a gather before each forward, another before each backward unless kept
+        gathers = LAYERS if mode == "fsdp2-keep" else 2 * LAYERS
+        return [("all_gather", layer_bytes / n)] * gathers + [("reduce_scatter", layer_bytes)] * LAYERS
     return [("all_reduce", b) for b in r["ddp_buckets"]]
 
 
 def residuals(model: dict, runs: dict) -> list[dict]:
     """Per run: the predicted and the traced communication per step (median over the profiled steps), their ratio,
     and how much of it compute hid."""
-    from .step import rows
-
     out = []
     for label, run in runs.items():
         calls = calls_of(run)
         predicted = comm.predict_calls(model, calls) if calls else 0.0
-        measured = statistics.median(c["seconds"] for c in calc.collective_costs(calc.spans_of(traces.load(run))))
+        measured = statistics.median(c["seconds"] for c in calc.collective_costs(traces.spans(run)))
         hidden = [r["hidden"] for r in rows(run) if r["hidden"] is not None]
         out.append(dict(config=label, calls=len(calls), predicted=predicted, measured=measured,
                         ratio=measured / predicted if predicted else None,
@@ -124,9 +124,7 @@ def show_residuals(model: dict, runs: dict) -> list[dict]:
 def claim_model(model: dict, table: list[dict], sweep) -> None:
     """The claims that hold on any machine of this kind: gloo's reduce-scatter is an all-reduce (the trace's span
     names) and costs like one, not the ring's half; and the model is a floor for a real step's collectives."""
-    from collections import Counter
-
-    names = Counter(s["name"] for s in calc.spans_of(traces.load(sweep)) if s["kind"] == "comm")
+    names = Counter(s["name"] for s in traces.spans(sweep) if s["kind"] == "comm")
     claim("gloo runs reduce_scatter as an all_reduce: the sweep's trace holds no reduce_scatter span",
           not any("reduce_scatter" in n for n in names) and names["gloo:all_reduce"] > 0,
           measured=", ".join(f"{n} x{k}" for n, k in sorted(names.items()) if "barrier" not in n))

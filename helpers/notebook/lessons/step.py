@@ -3,9 +3,9 @@
 ``course/overlap.py`` trains one MLP six ways: DDP with small buckets, DDP with one bucket, no overlap (``no_sync``
 and one all-reduce after the backward) (:data:`DDP_MODES`), and FSDP2 resharding after the forward or not, and with
 explicit prefetch (:data:`FSDP_MODES`), each launched with ``--profile-steps``, so every rank leaves a torch.profiler
-trace; ``course/gpt_tp.py`` adds tensor parallelism's all-reduces. :mod:`helpers.calc.traces` splits each profiled step of each rank into compute,
-communication and exposed communication (communication while no compute ran); here those become a table, one
-timeline per mode, and the claims. The share of communication *hidden* behind compute, ``1 - exposed / comm``, is
+trace; ``course/gpt_tp.py`` adds tensor parallelism's all-reduces. :mod:`helpers.calc.traces` splits each profiled
+step of each rank into compute, communication and exposed communication (communication while no compute ran); here
+those become a table, one timeline per mode, and the claims. The share of communication *hidden* behind compute, ``1 - exposed / comm``, is
 what the three modes differ in by construction; the exposed *time* is compared only where every rank has a core of
 its own, since ranks that take turns on a core wait for the scheduler too (the cell says which it did).
 
@@ -142,11 +142,10 @@ def plot_modes(runs: dict, step: int = -1):
     """One profiled step of every mode, the timeline of every rank (:func:`helpers.notebook.traces.plot_step`)."""
     import matplotlib.pyplot as plt
 
-    ranks = len(traces.split(next(iter(runs.values()))))
+    ranks = len({s["rank"] for s in traces.spans(next(iter(runs.values())))})
     fig, axes = plt.subplots(len(runs), 1, squeeze=False, figsize=(11, len(runs) * (1.0 + 0.9 * ranks)), sharex=True)
     for ax, (mode, run) in zip(axes.flat, runs.items()):
-        n = len(traces.split(run)[0])
-        traces.plot_step(run, step=step % n, ax=ax)
+        traces.plot_step(run, step=step, ax=ax)
         ax.set_title(f"{mode}: one step, compute and communication per rank (hatched: exposed)", fontsize=10)
         ax.label_outer()
     fig.tight_layout()
@@ -210,14 +209,13 @@ def claim_overlap(runs: dict, cfg: Settings) -> None:
 # ---------------------------------------------------------------------------------------- 3. FSDP2 and TP
 
 
-def comm_names(run) -> list[Counter]:
-    """Per rank, how many spans of each collective one profiled step holds (the median step's counts)."""
-    spans = calc.spans_of(traces.load(run))
+def comm_names(run, kinds: tuple[str, ...] = ("comm",)) -> list[Counter]:
+    """Per rank, how many spans of each name (of these ``kinds``) one profiled step holds (the median step's
+    counts): the collectives by default, their main-thread waits too with ``kinds=("comm", "wait")``."""
     out = []
-    for rank in sorted({s["rank"] for s in spans}):
-        mine = [s for s in spans if s["rank"] == rank]
+    for mine in calc.by_rank(traces.spans(run)).values():
         steps = [s for s in mine if s["kind"] == "step"]
-        counts = [Counter(c["name"] for c in mine if c["kind"] == "comm" and st["t0"] <= c["t0"] < st["t1"])
+        counts = [Counter(c["name"] for c in mine if c["kind"] in kinds and st["t0"] <= c["t0"] < st["t1"])
                   for st in steps]
         out.append(Counter({k: statistics.median_low([c[k] for c in counts]) for k in set().union(*counts)}))
     return out
@@ -267,18 +265,13 @@ def claim_zero3(run, cfg: Settings) -> None:
 def claim_tp(run, cfg: Settings) -> None:
     """TP's all-reduces in the trace: 4 per layer per step (2 regions x forward and backward, notebook 09), each
     waited for on the main thread before the next operator can use its result."""
-    spans = calc.spans_of(traces.load(run))
-    result = run.result
-    layers = result["gpt"]["n_layer"]
-    steps = {s["rank"]: 0 for s in spans}
-    for s in spans:
-        steps[s["rank"]] += s["kind"] == "step"
-    per_step = {r: sum(1 for s in spans if s["rank"] == r and s["name"] == "gloo:all_reduce") / max(1, steps[r])
-                for r in steps}
-    waits = {r: sum(1 for s in spans if s["rank"] == r and s["kind"] == "wait") / max(1, steps[r]) for r in steps}
+    layers = run.result["gpt"]["n_layer"]
+    counts = comm_names(run, kinds=("comm", "wait"))
+    per_step = [c.get("gloo:all_reduce", 0) for c in counts]
+    waits = [c.get("_c10d_functional::wait_tensor", 0) for c in counts]
     want = 4 * layers if cfg.nproc > 1 else 0
     claim(f"TP all-reduces 4 times per layer per step: {want} on every rank for {layers} layers",
-          set(per_step.values()) == {want}, measured=f"{sorted(set(per_step.values()))} per step")
+          set(per_step) == {want}, measured=f"{sorted(set(per_step))} per step")
     if cfg.nproc > 1:
         claim("and the main thread waits for each one (a wait_tensor span per all-reduce): the next operator needs "
-              "its result", waits == per_step, measured=f"{sorted(set(waits.values()))} waits per step")
+              "its result", waits == per_step, measured=f"{sorted(set(waits))} waits per step")
