@@ -53,3 +53,21 @@ def test_exposed_communication_by_hand_and_each_slip_gets_its_hint():
         assert not verdict and hint in verdict.hint, verdict
     assert "difference of totals" in write.check_exposed(30, compute=[(0, 40)], comm=[(20, 90)]).hint
     assert not write.check_exposed("16", **STEP) and not write.check_exposed(True, **STEP)
+
+
+def test_the_chapter_does_not_show_the_answer_before_the_exercise():
+    """Chapter 11 shows overlap.py's DDP lines in section 1, but not the body of its flat all-reduce: that is
+    exercise 1's answer, and a learner who has just read it writes nothing."""
+    from pathlib import Path
+
+    import nbformat
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "11_inside_a_step.ipynb", 4)
+    first = next(i for i, c in enumerate(nb.cells) if "exercise-write" in c.metadata.get("tags", []))
+    assert "check_grad_sync" in nb.cells[first].source
+    before = "\n".join(c.source + "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+                                          for o in c.get("outputs", []))
+                       for c in nb.cells[:first] if c.cell_type == "code")
+    assert "all_reduce_after_backward(model, world_size)" in before  # the call is shown, where DDP would sync
+    for answer in ("torch.cat(", "dist.all_reduce(flat)", "flat /= world_size"):
+        assert answer not in before, answer

@@ -37,11 +37,11 @@ class FakeRun:
 
 
 def ddp_step(t0: float, comm_at: float, comm_dur: float, *, calls: int = 1, step_dur: float = 1000.0) -> list[dict]:
-    """One step: forward+backward compute 0-600 (backward from 200), the optimizer at 900-950 us; ``calls``
+    """One step: forward+backward compute 0-600 (backward from 200), the optimizer at 950-990 us; ``calls``
     all-reduces of ``comm_dur`` each from ``comm_at`` on, one after the other, on gloo's thread."""
     events = [event("ProfilerStep#1", t0, step_dur, cat="user_annotation"), event("aten::mm", t0, 200),
               event("autograd::engine::evaluate_function: MmBackward0", t0 + 200, 400),
-              event("Optimizer.step#SGD.step", t0 + 900, 50)]
+              event("Optimizer.step#SGD.step", t0 + 950, 40)]
     for k in range(calls):
         events.append(event("gloo:all_reduce", t0 + comm_at + k * comm_dur, comm_dur, tid=2, cat="user_annotation"))
     return events
@@ -117,13 +117,13 @@ def fsdp_runs(tmp_path, keep_gathers: int = 8, waited: bool = True) -> dict[str,
 
 def test_fsdp_claims_count_the_gathers_and_fail_on_a_second_gather_that_should_be_gone(tmp_path, capsys):
     cfg = lesson.resolve("smoke", 2, 2)
-    lesson.claim_fsdp(fsdp_runs(tmp_path), cfg)
+    lesson.claim_fsdp(ddp_runs(tmp_path) | fsdp_runs(tmp_path), cfg)  # DDP's no-overlap and buckets: the floors
     got = verdicts(capsys)
     assert len(got) == 4 and all(got.values()), got
     for fault, kw, verdict in (("keep", dict(keep_gathers=16), [True, False, True, True]),
                                ("overlap", dict(waited=False), [True, True, True, False])):
         (tmp_path / fault).mkdir()
-        lesson.claim_fsdp(fsdp_runs(tmp_path / fault, **kw), cfg)
+        lesson.claim_fsdp(ddp_runs(tmp_path / fault) | fsdp_runs(tmp_path / fault, **kw), cfg)
         assert list(verdicts(capsys).values()) == verdict, fault
 
 
@@ -177,12 +177,48 @@ def test_the_model_is_fitted_from_the_sweeps_spans_and_claimed_as_a_floor(tmp_pa
     model = comm_model.fits(sweep)
     assert model["all_reduce"]["alpha"] == pytest.approx(100e-6) and model["all_reduce"]["bandwidth"] == \
         pytest.approx(1.0)
-    table = [dict(config="a", calls=1, predicted=1.0, measured=1.2, ratio=1.2, hidden=0.0)]
+    table = [dict(config="no-overlap", calls=1, predicted=1.0, measured=1.1, ratio=1.1, hidden=0.0),
+             dict(config="buckets", calls=8, predicted=1.0, measured=3.0, ratio=3.0, hidden=0.6)]
     comm_model.claim_model(model, table, sweep)
+    assert list(verdicts(capsys).values()) == [True, True]
+    comm_model.claim_model(model, table, sweep_run(tmp_path, rs_name="gloo:reduce_scatter"))  # gloo with its own RS
+    assert list(verdicts(capsys).values()) == [False, True]
+    one = [dict(config="buckets", calls=0, predicted=0.0, measured=20e-6, ratio=None, hidden=None)]
+    comm_model.claim_model(model, one, sweep)  # one rank: 20 us a step, under the sweep's 100 us latency
     assert list(verdicts(capsys).values()) == [True, True, True]
-    cheap = [dict(table[0], measured=0.5, ratio=0.5)]  # the fault: a step's collectives cheaper than the model
-    comm_model.claim_model(model, cheap, sweep_run(tmp_path, rs_name="gloo:reduce_scatter"))
-    assert list(verdicts(capsys).values()) == [False, True, False]
+    comm_model.claim_model(model, [dict(one[0], measured=200e-6)], sweep)
+    assert list(verdicts(capsys).values())[-1] is False
+
+
+def test_nearer_decides_between_two_outcomes():
+    assert lesson.nearer(0.9, 1.0, 0.5) and not lesson.nearer(0.7, 1.0, 0.5) and not lesson.nearer(0.75, 1.0, 0.5)
+
+
+def test_the_sweeps_noise_is_the_gap_between_its_two_fastest_calls(tmp_path):
+    assert comm_model.spread(sweep_run(tmp_path)) == pytest.approx(0.0)  # three identical calls of every size
+    events = []
+    for k, dur in enumerate((1000.0, 1200.0, 3000.0)):  # a 2 MiB all_reduce: 20% between the two fastest
+        events += [event(f"sweep all_reduce {2 ** 21}", 5000 * k, dur + 20), event("gloo:all_reduce", 5000 * k + 10,
+                                                                                   dur, tid=2)]
+    assert comm_model.spread(FakeRun(tmp_path, "noisy", {0: events, 1: events}, {})) == pytest.approx(0.2)
+
+
+def test_one_bucket_that_hides_like_the_buckets_fails_its_claim(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 2)
+    runs = ddp_runs(tmp_path)
+    (tmp_path / "x").mkdir()
+    runs["one-bucket"] = ddp_runs(tmp_path / "x")["buckets"]  # the fault: the one bucket hides as much
+    lesson.claim_overlap(runs, cfg)
+    got = verdicts(capsys)
+    assert [ok for text, ok in got.items() if text.startswith(("one bucket", "buckets"))] == [False, False]
+    assert [ok for text, ok in got.items() if text.startswith("no overlap")] == [True]
+
+
+def test_one_rank_claims_compare_with_the_runs_own_jitter(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 1)
+    runs = ddp_runs(tmp_path, nproc=1)
+    lesson.claim_overlap(runs, cfg)  # 250 us of all-reduce a step and steps of equal length: no jitter to hide in
+    assert list(verdicts(capsys).values()) == [False]
 
 
 def test_labelled_costs_take_the_last_arrival_of_each_call():

@@ -28,7 +28,6 @@ from ..checks import claim
 from .step import LAYERS, rows
 
 LABEL = "sweep "
-LOWER = 0.75    # a step's collectives never cost less than this share of the model's prediction (noise below it)
 RING_RS = 0.5   # on a ring, a reduce-scatter of S bytes sends half an all-reduce's bytes (helpers/calc/tp.py)
 LARGE = 2 ** 20  # from this message size up, bandwidth dominates the latency (alpha is about 0.2 ms here)
 
@@ -63,6 +62,18 @@ def show_fits(sweep) -> dict[str, dict]:
         print(f"{op:<15} {f['alpha'] * 1e6:>10.0f} {f['bandwidth']:>17.2f} {worst:>+15.0%}")
     print("time = alpha + bytes / bandwidth, least squares on relative error; residual = measured / fitted - 1")
     return model
+
+
+def spread(sweep, ops=("all_reduce", "reduce_scatter")) -> float:
+    """The sweep's own noise: for each size of at least :data:`LARGE` bytes of these collectives, how much slower
+    the second-fastest of its calls was than the fastest; the median of those (0.1: two best calls 10% apart)."""
+    gaps = []
+    for label, calls in calc.labelled_costs(traces.spans(sweep), LABEL).items():
+        _, op, size = label.split()
+        if op in ops and int(size) >= LARGE and len(calls) > 1:
+            best, second = sorted(calls)[:2]
+            gaps.append(second / best - 1)
+    return statistics.median(gaps)
 
 
 def rs_over_ar(model: dict) -> float:
@@ -123,22 +134,24 @@ def show_residuals(model: dict, runs: dict) -> list[dict]:
 
 def claim_model(model: dict, table: list[dict], sweep) -> None:
     """The claims that hold on any machine of this kind: gloo's reduce-scatter is an all-reduce (the trace's span
-    names) and costs like one, not the ring's half; and the model is a floor for a real step's collectives."""
+    names) and costs more than the ring's half of one, by more than the sweep's own noise (:func:`spread`); with one
+    rank, nothing to price. No claim compares the residual table's ratios: each configuration ran at its own moment,
+    and on a 2-core machine shared with other work, one regeneration of the chapter timed the one-bucket and the
+    no-overlap runs' single 32 MiB all-reduce after the backward at 45 and 100 ms: more than the effects the table
+    could show."""
     names = Counter(s["name"] for s in traces.spans(sweep) if s["kind"] == "comm")
     claim("gloo runs reduce_scatter as an all_reduce: the sweep's trace holds no reduce_scatter span",
           not any("reduce_scatter" in n for n in names) and names["gloo:all_reduce"] > 0,
           measured=", ".join(f"{n} x{k}" for n, k in sorted(names.items()) if "barrier" not in n))
-    ratio = rs_over_ar(model)
-    claim(f"so a reduce-scatter of S bytes costs as much as an all-reduce of S here, or more, not the ring's "
-          f"{RING_RS:g} x (the median ratio of their measured costs from {LARGE // 2 ** 20} MiB up, above 0.75)",
-          ratio > 0.75,
-          measured=f"{ratio:.2f}")
-    priced = [t for t in table if t["ratio"] is not None]
-    if not priced:
-        claim("one rank: the formulas predict no collective, and the traces time none (under 1 ms a step)",
-              all(t["calls"] == 0 and t["measured"] < 1e-3 for t in table))
+    ratio, noise = rs_over_ar(model), spread(sweep)
+    claim(f"so a reduce-scatter of S bytes costs more than a ring's {RING_RS:g} x an all-reduce of S, by more than the "
+          f"sweep's own noise (their median cost ratio from {LARGE // 2 ** 20} MiB up, against {RING_RS:g} x (1 + the "
+          "gap between a size's two fastest calls))", ratio > RING_RS * (1 + noise),
+          measured=f"{ratio:.2f} vs {RING_RS * (1 + noise):.2f}")
+    if not any(t["ratio"] is not None for t in table):
+        alpha = min(f["alpha"] for f in model.values())
+        claim("one rank: the formulas predict no collective, and what the traces time in a step is less than the "
+              "latency of one 2-rank collective in the sweep",
+              all(t["calls"] == 0 and t["measured"] < alpha for t in table),
+              measured=f"at most {1e6 * max(t['measured'] for t in table):.0f} us vs {1e6 * alpha:.0f} us")
         return
-    claim(f"the model is a floor: every step's collectives took at least {LOWER:g} x its prediction",
-          all(t["ratio"] >= LOWER for t in priced),
-          measured=f"{len(priced)} configurations, traced/predicted {min(t['ratio'] for t in priced):.2f} to "
-                   f"{max(t['ratio'] for t in priced):.2f}")

@@ -33,9 +33,9 @@ DDP_MODES = ("buckets", "one-bucket", "no-overlap")
 FSDP_MODES = ("fsdp2", "fsdp2-keep", "fsdp2-prefetch")
 MODES = DDP_MODES + FSDP_MODES
 LAYERS = 8  # the script's MLP
-NONE_HIDDEN = 0.01   # no-overlap: nothing runs beside its all-reduce, so its hidden share is 0 up to span edges
-FEW_HIDDEN = 0.05    # one bucket: it starts when the backward has ended; only its last microseconds can overlap
-MORE_HIDDEN = 0.20   # buckets: their hidden share exceeds one bucket's by at least this (measured 0.35-0.85)
+# No constant margin decides a claim here: each compares a mode with what the same run measured where the answer
+# is known by construction (no overlap hides nothing; a collective waited for where it is issued hides nothing), or
+# asks which of two structural outcomes a measurement is nearer to (:func:`nearer`).
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,17 @@ def merged(runs: dict) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------- 2. the claims
 
 
+def nearer(value: float, this: float, that: float) -> bool:
+    """Is ``value`` nearer ``this`` than ``that``? A measurement decides between two outcomes the structure allows,
+    with no margin tuned to one machine."""
+    return abs(value - this) < abs(value - that)
+
+
+def hidden_shares(run) -> list[float]:
+    """The hidden share of every profiled step of every rank that communicated."""
+    return [r["hidden"] for r in rows(run) if r["hidden"] is not None]
+
+
 def claim_buckets(runs: dict, cfg: Settings) -> None:
     """How many buckets DDP made: one per layer with --bucket-mb 4 (a 1024 x 1024 layer is 4 MiB, so each layer
     fills a bucket by itself), one with a cap larger than the model; none used by no-overlap."""
@@ -179,23 +190,32 @@ def claim_buckets(runs: dict, cfg: Settings) -> None:
 
 
 def claim_overlap(runs: dict, cfg: Settings) -> None:
-    """The hidden share of each mode (:data:`NONE_HIDDEN`, :data:`FEW_HIDDEN`, :data:`MORE_HIDDEN`), and where every
-    rank has a core, that bucketing leaves less communication exposed than no overlap."""
+    """The hidden share of each mode against the same run's floors: no overlap hides nothing by construction, so
+    what the trace reads as hidden there is the instrument's floor (span edges); one bucket starts only when the
+    backward is over, so it reads like no overlap, not like the buckets; and the buckets hide more in every profiled
+    step than the other two modes in any. Where every rank has a core, that bucketing leaves less exposed."""
     s = summary(runs)
     if cfg.nproc == 1:
-        comm = max(q["comm"][0] / q["span"][0] for q in s.values())
-        claim("one rank communicates nothing worth hiding: its collectives take under 1% of a step", comm < 0.01,
-              measured=f"at most {100 * comm:.2f}%")
+        spans = [r["span"] for r in rows(runs["buckets"])]
+        jitter = max(spans) - min(spans)
+        comm = max(q["comm"][0] for q in s.values())
+        claim("one rank communicates nothing worth hiding: its collectives take less time than its steps' own "
+              "jitter (the slowest profiled step minus the fastest)", comm < jitter,
+              measured=f"at most {1e3 * comm:.2f} ms a step, jitter {1e3 * jitter:.1f} ms")
         return
-    hidden = {mode: s[mode]["hidden"][0] for mode in DDP_MODES}
-    pct = {mode: f"{100 * h:.0f}%" for mode, h in hidden.items()}
-    claim(f"no overlap: the all-reduce runs after the backward, so compute hides at most {NONE_HIDDEN:.0%} of it",
-          hidden["no-overlap"] <= NONE_HIDDEN, measured=f"{100 * hidden['no-overlap']:.1f}% hidden")
-    claim(f"one bucket: it can start only when the backward is over, so compute hides at most {FEW_HIDDEN:.0%} of it",
-          hidden["one-bucket"] <= FEW_HIDDEN, measured=f"{100 * hidden['one-bucket']:.1f}% hidden")
-    claim(f"buckets: each all-reduce starts while the backward goes on, hiding {MORE_HIDDEN:.0%} more of the "
-          "communication than one bucket", hidden["buckets"] >= hidden["one-bucket"] + MORE_HIDDEN,
-          measured=f"{pct['buckets']} vs {pct['one-bucket']} hidden")
+    shares = {mode: hidden_shares(runs[mode]) for mode in DDP_MODES}
+    med = {mode: statistics.median(v) for mode, v in shares.items()}
+    floor = max(shares["no-overlap"])
+    claim("no overlap: nothing runs beside its all-reduce, so what the trace reads as hidden there is the "
+          "instrument's floor: nearer none than what the buckets hide", nearer(med["no-overlap"], 0.0, med["buckets"]),
+          measured=f"{100 * med['no-overlap']:.1f}% hidden, at most {100 * floor:.1f}% in a step")
+    claim("one bucket: it can start only when the backward is over, so it hides about what no overlap does, not "
+          "what the buckets do", nearer(med["one-bucket"], med["no-overlap"], med["buckets"]),
+          measured=f"{100 * med['one-bucket']:.1f}% hidden")
+    least, most = min(shares["buckets"]), max(shares["one-bucket"] + shares["no-overlap"])
+    claim("buckets: each all-reduce starts while the backward goes on, so every profiled step hides more of it than "
+          "one bucket or no overlap does in any step", least > most,
+          measured=f"{100 * least:.0f}% at least vs {100 * most:.1f}% at most")
     exposed = {mode: s[mode]["exposed"][0] for mode in DDP_MODES}
     if cfg.own_cores:
         claim("with a core per rank, bucketing leaves less communication exposed than no overlap",
@@ -224,7 +244,8 @@ def comm_names(run, kinds: tuple[str, ...] = ("comm",)) -> list[Counter]:
 def claim_fsdp(runs: dict, cfg: Settings) -> None:
     """What FSDP2 calls per step, counted in the traces: a gather per layer before its forward, another before its
     backward unless reshard_after_forward=False keeps it, and one gradient reduction per layer, which gloo runs as
-    an all-reduce (pytorch/pytorch#149869); and on a CPU device, none of it hidden (no separate streams)."""
+    an all-reduce (pytorch/pytorch#149869); and on a CPU device, none of it hidden (no separate streams): its hidden
+    share reads like the DDP no-overlap run's, not the buckets' (``runs`` holds those two DDP modes too)."""
     got = {mode: comm_names(runs[mode]) for mode in FSDP_MODES}
     if cfg.nproc == 1:
         claim("one rank: FSDP2 has no shard to gather and no gradient to reduce, so its steps hold no collective",
@@ -241,11 +262,12 @@ def claim_fsdp(runs: dict, cfg: Settings) -> None:
           all(r == {LAYERS} for r in reduces.values()) and not any("gloo:reduce_scatter" in c for counts in
                                                                     got.values() for c in counts),
           measured=f"{sorted(reduces['fsdp2'])} all-reduces")
-    s = summary(runs)
-    hidden = {mode: s[mode]["hidden"][0] for mode in FSDP_MODES}
-    claim(f"on a CPU, FSDP2's main thread waits for each collective where it issues it: compute hides at most "
-          f"{FEW_HIDDEN:.0%} of its communication, prefetch or not", all(h <= FEW_HIDDEN for h in hidden.values()),
-          measured=", ".join(f"{mode} {100 * h:.1f}%" for mode, h in hidden.items()))
+    hidden = {mode: max(hidden_shares(runs[mode])) for mode in FSDP_MODES}
+    none, buckets = (statistics.median(hidden_shares(runs[m])) for m in ("no-overlap", "buckets"))
+    claim("on a CPU, FSDP2's main thread waits for each collective where it issues it: in every step, compute hides "
+          "about what it hides with no overlap, not what the buckets hide, prefetch or not",
+          all(nearer(h, none, buckets) for h in hidden.values()),
+          measured="at most " + ", ".join(f"{mode} {100 * h:.1f}%" for mode, h in hidden.items()))
 
 
 def claim_zero3(run, cfg: Settings) -> None:
