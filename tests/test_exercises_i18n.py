@@ -200,7 +200,7 @@ def test_course_language_switches_str_to_chinese(monkeypatch, tmp_path):
     verdict = exercises.check_global_batch(48, per_rank_batch=32, world_size=2)
     monkeypatch.setenv("COURSE_LANGUAGE", "zh_CN")
     text = str(verdict)
-    assert text.startswith("还不对：48 不是全局批大小。\n提示：")
+    assert text.startswith("还不对：48 不是全局 batch size。\n提示：")
     assert text == verdict.render("zh_CN")
     monkeypatch.setenv("COURSE_LANGUAGE", "en")
     assert str(verdict).startswith("Not yet: 48 is not the global batch.\nHint: ")

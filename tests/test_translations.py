@@ -121,7 +121,7 @@ def test_code_cells_and_outputs_are_the_english_ones(chapter):
     assert len(note) == 1 and chinese.cells.index(note[0]) == 1, "one edition note, right after the title"
     cells = [c for c in chinese.cells if c.get("id") != translate.NOTE_ID]
     assert [(c.cell_type, c.get("id")) for c in cells] == [(c.cell_type, c.get("id")) for c in english.cells]
-    verdicts = 0
+    verdicts = lines = 0
     for en, zh in zip(english.cells, cells):
         if en.cell_type != "code":
             continue
@@ -136,9 +136,19 @@ def test_code_cells_and_outputs_are_the_english_ones(chapter):
                 assert out_zh["data"]["text/plain"].startswith(("正确：", "还不对：")), out_zh["data"]["text/plain"]
                 rest = {k: v for k, v in out_zh["data"].items() if k != "text/plain"}
                 assert rest == {k: v for k, v in out_en["data"].items() if k != "text/plain"}
+            elif out_en.get("output_type") == "stream" and checks.parse(out_en["text"]):
+                lines += 1
+                assert out_zh["text"] == checks.localize(out_en["text"], i18n.CHINESE)
+                assert checks.parse(out_zh["text"]) != checks.parse(out_en["text"]), "the check lines are Chinese"
+                assert [ok for _, ok in checks.parse(out_zh["text"])] == [ok for _, ok in checks.parse(out_en["text"])]
+                assert "[check]" not in out_zh["text"]
+                assert {k: v for k, v in out_zh.items() if k != "text"} == {k: v for k, v in out_en.items()
+                                                                            if k != "text"}
             else:
                 assert out_zh == out_en
     assert verdicts >= 2, "every chapter has at least two exercises whose saved verdicts are shown in Chinese"
+    assert lines == sum(1 for c in english.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                        if o.get("output_type") == "stream" and checks.parse(o["text"]))
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)

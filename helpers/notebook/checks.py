@@ -6,6 +6,13 @@ means the prose above it is wrong on that machine. Where the measured value vari
 verdict in parentheses, ``(measured: 1.62x)``, which ``tests/nbval_sanitize.cfg`` masks: nbval compares the verdict,
 the reader still sees the number.
 
+In the Chinese edition a check line reads ``[检查] <论断>：True（实测：1.62x）``. Its sentence comes from
+``translations/zh_CN/checks.po``, whose msgids are the English sentences with each number replaced by a numbered
+field (:func:`template`: ``2 ranks run at least 0.9x`` is ``{0} ranks run at least {1}x``), so one translation
+serves every rank count. The Chinese build (:mod:`helpers.notebook.translate`) renders the English notebook's saved
+lines that way, and a claim printed by a notebook run from ``notebooks/zh/`` prints in Chinese too; the English
+notebooks and what nbval compares are unchanged.
+
 Example (a notebook cell)::
 
     claim("2 ranks run at least 0.9x the samples/s of 1 rank", ratio >= 0.9, measured=f"{ratio:.2f}x")
@@ -17,18 +24,60 @@ import re
 from dataclasses import dataclass
 
 PREFIX = "[check] "
-LINE = re.compile(r"^\[check\] (?P<claim>.*): (?P<verdict>True|False)(?:\s+\(measured: .*\))?\s*$")
+LINE = re.compile(r"^\[check\] (?P<claim>.*): (?P<verdict>True|False)(?:\s+\(measured: (?P<measured>.*)\))?\s*$")
+ZH_LINE = re.compile(r"^\[检查\] (?P<claim>.*)：(?P<verdict>True|False)(?:（实测：(?P<measured>.*)）)?\s*$")
+# a number standing alone (not part of a name such as fp32, ZeRO-3 or 1F1B); "0.9x" and "5%" keep their unit outside
+NUMBER = re.compile(r"(?<![\w.\-])\d+(?:\.\d+)?(?:e-?\d+)?(?=x\b|%|[^\w.]|\.(?!\d)|$)")
+FIELD = re.compile(r"\{(\d+)\}")
+
+
+def template(text: str) -> tuple[str, list[str]]:
+    """A claim's sentence as its catalogue msgid, each number a numbered field, and the numbers:
+    ``template("4 ranks at 0.9x")`` is ``("{0} ranks at {1}x", ["4", "0.9"])``."""
+    numbers: list[str] = []
+
+    def field(m):
+        numbers.append(m.group())
+        return "{" + str(len(numbers) - 1) + "}"
+
+    return NUMBER.sub(field, text), numbers
+
+
+def fill(translated: str, numbers: list[str]) -> str:
+    """A translated template with its numbers put back (a field the translation lacks is an error, by test)."""
+    return FIELD.sub(lambda m: numbers[int(m.group(1))], translated)
+
+
+def line(text: str, verdict: bool, measured: str | None = None, lang: str | None = None) -> str:
+    """The check line for ``text`` in ``lang`` (default: the notebook's language, :func:`helpers.notebook.i18n.language`);
+    English where the Chinese catalogue has no translation of the sentence."""
+    from . import i18n
+
+    lang = i18n.normalise(lang) if lang else i18n.language()
+    if lang != i18n.ENGLISH:
+        msgid, numbers = template(text)
+        translated = i18n.catalogue(lang, i18n.CHECKS_DOMAIN).get(msgid)
+        if translated:
+            return f"[检查] {fill(translated, numbers)}：{verdict}" + (f"（实测：{measured}）" if measured is not None
+                                                                      else "")
+    out = f"{PREFIX}{text}: {verdict}"
+    return out + (f"   (measured: {measured})" if measured is not None else "")
+
+
+def localize(text: str, lang: str) -> str:
+    """A saved output's text with every English check line in it shown in ``lang`` (other lines as they are)."""
+    out = []
+    for row in text.split("\n"):
+        m = LINE.match(row)
+        out.append(line(m["claim"], m["verdict"] == "True", m["measured"], lang) if m else row)
+    return "\n".join(out)
 
 
 def claim(text: str, holds, *, measured: str | None = None) -> None:
     """Print one check line for ``text`` with the verdict ``bool(holds)`` (and the measured value, if given).
 
     It returns nothing, so a claim on a cell's last line adds no ``True`` echo under its check line."""
-    verdict = bool(holds)
-    line = f"{PREFIX}{text}: {verdict}"
-    if measured is not None:
-        line += f"   (measured: {measured})"
-    print(line, flush=True)
+    print(line(text, bool(holds), measured), flush=True)
 
 
 @dataclass(frozen=True)
@@ -48,7 +97,11 @@ class Tally:
 
 def parse(text: str) -> list[tuple[str, bool]]:
     """(claim, verdict) of every check line in ``text``, in order (what a cell printed; tests read it from capsys)."""
-    return [(m["claim"], m["verdict"] == "True") for m in map(LINE.match, text.splitlines()) if m]
+    return [(m["claim"], m["verdict"] == "True") for m in map(_match, text.splitlines()) if m]
+
+
+def _match(row: str):
+    return LINE.match(row) or ZH_LINE.match(row)
 
 
 def check_lines(nb) -> list[tuple[str, bool]]:

@@ -16,7 +16,7 @@ Example::
     >>> from helpers.notebook.i18n import _
     >>> t = _("{value} is not the global batch.", value=48)
     >>> t, t.render("zh_CN")
-    ('48 is not the global batch.', '48 不是全局批大小。')
+    ('48 is not the global batch.', '48 不是全局 batch size。')
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ LANGUAGES = (ENGLISH, CHINESE)
 MIME = "application/vnd.dtfz.message+json"  # msgid and fields of a message output, for the Chinese build
 TRANSLATIONS = Path(__file__).resolve().parents[2] / "translations"
 EXERCISES_DOMAIN = "exercises"
+CHECKS_DOMAIN = "checks"  # the check lines' sentences (helpers.notebook.checks.template)
 
 _ALIASES = {"en": ENGLISH, "en_us": ENGLISH, "en_gb": ENGLISH, "zh": CHINESE, "zh_cn": CHINESE, "zh_hans": CHINESE}
 

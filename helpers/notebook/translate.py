@@ -3,14 +3,16 @@
 ``translations/zh_CN/NN_name.po`` holds one entry per markdown cell of ``notebooks/NN_name.ipynb`` (the msgid is
 the whole cell) and the notebook's title from ``course/syllabus.yml`` (msgctxt ``syllabus title``);
 ``translations/zh_CN/exercises.po`` holds the exercise checkers' messages (every ``_("...")`` in
-``helpers/notebook/exercises``). They are ordinary gettext files: Poedit or Weblate edit them.
+``helpers/notebook/exercises``); ``translations/zh_CN/checks.po`` the sentences of the check lines the English
+notebooks' outputs hold, numbers as fields (:func:`helpers.notebook.checks.template`). They are ordinary gettext
+files: Poedit or Weblate edit them.
 
 :func:`update` brings a catalogue in line with the English source, the way ``msgmerge`` does: a cell whose text
 changed keeps its old translation marked ``fuzzy`` (with the old English as ``#| msgid``), a new cell gets an empty
 entry, and a removed cell's entry is kept as obsolete (``#~``). :func:`build` then makes ``notebooks/zh/NN_name.ipynb``
 from the *executed* English notebook: markdown replaced by its translation, a note on what stays English put after
 the title, code cells and their outputs as they are, except that a saved exercise verdict is shown in Chinese (from
-the msgid and fields it was saved with). Nothing is executed, so both editions show the same run. A catalogue
+the msgid and fields it was saved with) and so is every check line (from its sentence's template and numbers). Nothing is executed, so both editions show the same run. A catalogue
 with an untranslated or fuzzy entry builds nothing and says which entries need work.
 
 Example::
@@ -49,8 +51,9 @@ HEADER = {
 def edition_note(english_file: str) -> str:
     """The cell the build puts after each Chinese notebook's title: what stays English, and where the terms are."""
     return (f"> **中文版说明：** 本笔记本由英文版 [`{english_file}`](../{english_file}) 生成：正文是翻译，代码单元格和"
-            "它们的输出与英文版完全相同（同一次运行）。代码、脚本和启动器打印的内容、检查单元格的英文论断以及报错信息保持"
-            "英文；练习的判定和提示是中文。术语的译法见 [术语表](GLOSSARY.md)。")
+            "它们的输出来自英文版的同一次运行。检查行（`[检查] …：True`）、练习的判定和提示是中文；代码、脚本和启动器"
+            "打印的其他内容以及报错信息保持英文，图里的文字也是英文（matplotlib 默认没有中文字体）。"
+            "术语的译法见 [术语表](GLOSSARY.md)。")
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,23 @@ def exercise_sources(folder: Path = EXERCISES) -> list[Source]:
                     and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 out.append(Source(node.args[0].value, f"helpers/notebook/exercises/{path.name}:{node.lineno}"))
     return sorted(out, key=lambda s: (s.occurrence.split(":")[0], int(s.occurrence.split(":")[1])))
+
+
+def check_sources(notebooks: dict[str, object]) -> list[Source]:
+    """The template of every check line in the outputs of these English notebooks ({file: nbformat node}), in
+    order, each where it was printed (``notebooks/05_x.ipynb:<cell id>``)."""
+    from . import checks
+
+    out = []
+    for file, nb in notebooks.items():
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            for out_ in cell.get("outputs", []):
+                if out_.get("output_type") == "stream":
+                    for text, _ in checks.parse("".join(out_.get("text", ""))):
+                        out.append(Source(checks.template(text)[0], f"notebooks/{file}:{cell.get('id', index)}"))
+    return out
 
 
 def _new_catalogue():
@@ -158,13 +178,22 @@ class Untranslated(Exception):
 
 
 def build_notebook(english, po, english_file: str):
-    """The Chinese notebook (a new nbformat node) from an English notebook node and its catalogue."""
+    """The Chinese notebook (a new nbformat node) from an English notebook node and its catalogue (and the check
+    lines' catalogue, :data:`helpers.notebook.i18n.CHECKS_DOMAIN`)."""
+    from . import checks
     from .exercises import render_saved
 
     translated = {(e.msgctxt, e.msgid): e.msgstr for e in po.translated_entries()}
     missing = needs_work(po)
     if missing:
         raise Untranslated(Path(po.fpath or english_file), missing)
+    known = i18n.catalogue(LANG, i18n.CHECKS_DOMAIN)
+    lines = {s.msgid for s in check_sources({english_file: english})}
+    if lines - set(known):
+        import polib
+
+        raise Untranslated(catalogue_path(i18n.CHECKS_DOMAIN),
+                           [polib.POEntry(msgid=m) for m in sorted(lines - set(known))])
     nb = copy.deepcopy(english)
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.strip():
@@ -174,6 +203,8 @@ def build_notebook(english, po, english_file: str):
                 saved = out.get("data", {}).get(i18n.MIME)
                 if saved and saved.get("kind") == "verdict":
                     out["data"]["text/plain"] = render_saved(saved, LANG)
+                if out.get("output_type") == "stream":
+                    out["text"] = checks.localize("".join(out["text"]), LANG)
     note = nbformat.v4.new_markdown_cell(edition_note(english_file))
     note["id"] = NOTE_ID
     nb.cells.insert(1, note)
@@ -224,6 +255,21 @@ def update_exercises():
     return po
 
 
+def update_checks(english_dir: Path | None = None):
+    """checks.po merged with the check lines of every chapter's English notebook (``english_dir``'s copy where it
+    has one, e.g. a course build's executed notebooks), written back to disk."""
+    from .runner import syllabus
+
+    _, chapters = syllabus()
+    notebooks = {}
+    for ch in chapters:
+        path = english_dir / ch.file if english_dir and (english_dir / ch.file).exists() else ch.path
+        notebooks[ch.file] = nbformat.read(path, as_version=4)
+    po = _save(update(check_sources(notebooks), catalogue_path(i18n.CHECKS_DOMAIN)), i18n.CHECKS_DOMAIN)
+    i18n.catalogue.cache_clear()
+    return po
+
+
 def build(chapter, english: Path | None = None, out: Path | None = None, po=None):
     """Write the Chinese edition of ``english`` (default: the committed notebook) next to it, in ``zh/``; the
     notebook written (an nbformat node)."""
@@ -251,6 +297,9 @@ def translate(chapters, *, english_dir: Path | None = None, update_catalogues: b
         exercises = update_exercises()
         if needs_work(exercises):
             done.problems[i18n.EXERCISES_DOMAIN] = str(Untranslated(Path(exercises.fpath), needs_work(exercises)))
+        lines = update_checks(english_dir)
+        if needs_work(lines):
+            done.problems[i18n.CHECKS_DOMAIN] = str(Untranslated(Path(lines.fpath), needs_work(lines)))
     root = i18n.TRANSLATIONS.parent
     for ch in chapters:
         english = (english_dir / ch.file) if english_dir else ch.path
