@@ -298,7 +298,8 @@ def test_make_lab_in_chinese_writes_the_setting_the_browser_test_starts_jupyterl
 @pytest.mark.slow
 def test_a_chinese_notebook_runs_under_papermill_from_its_own_folder(tmp_path):
     """Notebook 01 in Chinese, executed with its folder as working directory (as JupyterLab runs it): the course
-    scripts, data and runs resolve, every check prints True, and its exercise verdicts come out in Chinese."""
+    scripts, data and runs resolve, every check prints True, and its check lines and exercise verdicts come out in
+    Chinese."""
     import papermill as pm
     chapter = next(c for c in CHAPTERS if c.id == "01")
     out = tmp_path / chapter.file
@@ -312,3 +313,5 @@ def test_a_chinese_notebook_runs_under_papermill_from_its_own_folder(tmp_path):
              if i18n.MIME in o.get("data", {})]
     assert texts and all(t.startswith(("正确：", "还不对：")) for t in texts), texts
     assert any("提示：" in t for t in texts)
+    printed = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
+    assert "[检查] " in printed and "[check] " not in printed, "a claim run from notebooks/zh/ prints in Chinese"
