@@ -183,10 +183,10 @@ def test_the_model_is_fitted_from_the_sweeps_spans_and_claimed_as_a_floor(tmp_pa
     assert list(verdicts(capsys).values()) == [True, True]
     comm_model.claim_model(model, table, sweep_run(tmp_path, rs_name="gloo:reduce_scatter"))  # gloo with its own RS
     assert list(verdicts(capsys).values()) == [False, True]
-    one = [dict(config="buckets", calls=0, predicted=0.0, measured=20e-6, ratio=None, hidden=None)]
-    comm_model.claim_model(model, one, sweep)  # one rank: 20 us a step, under the sweep's 100 us latency
+    one = [dict(config="buckets", calls=0, predicted=0.0, measured=20e-6, ratio=None, hidden=None, jitter=1e-3)]
+    comm_model.claim_model(model, one, sweep)  # one rank: 20 us a step of collectives of one, steps 1 ms apart
     assert list(verdicts(capsys).values()) == [True, True, True]
-    comm_model.claim_model(model, [dict(one[0], measured=200e-6)], sweep)
+    comm_model.claim_model(model, [dict(one[0], measured=2e-3)], sweep)
     assert list(verdicts(capsys).values())[-1] is False
 
 
