@@ -32,6 +32,7 @@ MIME = "application/vnd.dtfz.message+json"  # msgid and fields of a message outp
 TRANSLATIONS = Path(__file__).resolve().parents[2] / "translations"
 EXERCISES_DOMAIN = "exercises"
 CHECKS_DOMAIN = "checks"  # the check lines' sentences (helpers.notebook.checks.template)
+MESSAGES_DOMAIN = "messages"  # lines printed by cells tagged zh-messages (helpers.notebook.translate)
 
 _ALIASES = {"en": ENGLISH, "en_us": ENGLISH, "en_gb": ENGLISH, "zh": CHINESE, "zh_cn": CHINESE, "zh_hans": CHINESE}
 

@@ -4,8 +4,9 @@
 the whole cell) and the notebook's title from ``course/syllabus.yml`` (msgctxt ``syllabus title``);
 ``translations/zh_CN/exercises.po`` holds the exercise checkers' messages (every ``_("...")`` in
 ``helpers/notebook/exercises``); ``translations/zh_CN/checks.po`` the sentences of the check lines the English
-notebooks' outputs hold, numbers as fields (:func:`helpers.notebook.checks.template`). They are ordinary gettext
-files: Poedit or Weblate edit them.
+notebooks' outputs hold, numbers as fields (:func:`helpers.notebook.checks.template`); and
+``translations/zh_CN/messages.po`` the lines printed by code cells tagged ``zh-messages`` (a validator's verdicts,
+the launcher's stall diagnosis), the same way. They are ordinary gettext files: Poedit or Weblate edit them.
 
 :func:`update` brings a catalogue in line with the English source, the way ``msgmerge`` does: a cell whose text
 changed keeps its old translation marked ``fuzzy`` (with the old English as ``#| msgid``), a new cell gets an empty
@@ -37,6 +38,7 @@ CATALOGUES = i18n.TRANSLATIONS / LANG
 TITLE_CONTEXT = "syllabus title"
 EXERCISES = Path(__file__).resolve().parent / "exercises"
 NOTE_ID = "zh-edition-note"
+MESSAGES_TAG = "zh-messages"  # a code cell whose printed lines are messages for the learner (a validator's, a launcher's)
 FUZZY_CUTOFF = 0.5  # difflib ratio above which a changed cell's old translation is offered as a fuzzy match
 HEADER = {
     "Project-Id-Version": "dtfz-course",
@@ -51,8 +53,9 @@ HEADER = {
 def edition_note(english_file: str) -> str:
     """The cell the build puts after each Chinese notebook's title: what stays English, and where the terms are."""
     return (f"> **中文版说明：** 本笔记本由英文版 [`{english_file}`](../{english_file}) 生成：正文是翻译，代码单元格和"
-            "它们的输出来自英文版的同一次运行。检查行（`[检查] …：True`）、练习的判定和提示是中文；代码、脚本和启动器"
-            "打印的其他内容以及报错信息保持英文，图里的文字也是英文（matplotlib 默认没有中文字体）。"
+            "它们的输出来自英文版的同一次运行。检查行（`[检查] …：True`）、ds_config 校验器和启动器给学习者的提示、"
+            "练习的判定和提示是中文；代码、日志、调用栈和其他报错信息保持英文，图里的文字也是英文（matplotlib 默认"
+            "没有中文字体）。"
             "术语的译法见 [术语表](GLOSSARY.md)。")
 
 
@@ -104,6 +107,45 @@ def check_sources(notebooks: dict[str, object]) -> list[Source]:
                     for text, _ in checks.parse("".join(out_.get("text", ""))):
                         out.append(Source(checks.template(text)[0], f"notebooks/{file}:{cell.get('id', index)}"))
     return out
+
+
+def is_message_line(row: str) -> bool:
+    """A printed line of a ``zh-messages`` cell that is a sentence for the learner: not empty, not a check line
+    (those have their own catalogue), not a stack frame or other indented code."""
+    from . import checks
+
+    return bool(row.strip()) and not row[0].isspace() and not checks.parse(row) and not row.startswith(
+        ("Current thread", "Traceback", "Thread 0x"))
+
+
+def message_sources(notebooks: dict[str, object]) -> list[Source]:
+    """The template of every message line printed by the ``zh-messages`` cells of these English notebooks."""
+    from . import checks
+
+    out = []
+    for file, nb in notebooks.items():
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code" or MESSAGES_TAG not in cell.metadata.get("tags", []):
+                continue
+            for out_ in cell.get("outputs", []):
+                if out_.get("output_type") == "stream":
+                    for row in "".join(out_.get("text", "")).split("\n"):
+                        if is_message_line(row):
+                            out.append(Source(checks.template(row)[0], f"notebooks/{file}:{cell.get('id', index)}"))
+    return out
+
+
+def localize_messages(text: str, table: dict[str, str]) -> str:
+    """A ``zh-messages`` cell's printed text with each message line in Chinese (its numbers put back)."""
+    from . import checks
+
+    rows = []
+    for row in text.split("\n"):
+        if is_message_line(row):
+            msgid, numbers = checks.template(row)
+            row = checks.fill(table[msgid], numbers)
+        rows.append(row)
+    return "\n".join(rows)
 
 
 def _new_catalogue():
@@ -187,13 +229,14 @@ def build_notebook(english, po, english_file: str):
     missing = needs_work(po)
     if missing:
         raise Untranslated(Path(po.fpath or english_file), missing)
-    known = i18n.catalogue(LANG, i18n.CHECKS_DOMAIN)
-    lines = {s.msgid for s in check_sources({english_file: english})}
-    if lines - set(known):
-        import polib
+    for domain, sources in ((i18n.CHECKS_DOMAIN, check_sources), (i18n.MESSAGES_DOMAIN, message_sources)):
+        known = i18n.catalogue(LANG, domain)
+        lines = {s.msgid for s in sources({english_file: english})}
+        if lines - set(known):
+            import polib
 
-        raise Untranslated(catalogue_path(i18n.CHECKS_DOMAIN),
-                           [polib.POEntry(msgid=m) for m in sorted(lines - set(known))])
+            raise Untranslated(catalogue_path(domain), [polib.POEntry(msgid=m) for m in sorted(lines - set(known))])
+    messages = i18n.catalogue(LANG, i18n.MESSAGES_DOMAIN)
     nb = copy.deepcopy(english)
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.strip():
@@ -205,6 +248,8 @@ def build_notebook(english, po, english_file: str):
                     out["data"]["text/plain"] = render_saved(saved, LANG)
                 if out.get("output_type") == "stream":
                     out["text"] = checks.localize("".join(out["text"]), LANG)
+                    if MESSAGES_TAG in cell.metadata.get("tags", []):
+                        out["text"] = localize_messages(out["text"], messages)
     note = nbformat.v4.new_markdown_cell(edition_note(english_file))
     note["id"] = NOTE_ID
     nb.cells.insert(1, note)
@@ -257,7 +302,8 @@ def update_exercises():
 
 def update_checks(english_dir: Path | None = None):
     """checks.po merged with the check lines of every chapter's English notebook (``english_dir``'s copy where it
-    has one, e.g. a course build's executed notebooks), written back to disk."""
+    has one, e.g. a course build's executed notebooks), written back to disk; messages.po likewise with the lines
+    of the ``zh-messages`` cells. Returns both catalogues."""
     from .runner import syllabus
 
     _, chapters = syllabus()
@@ -265,9 +311,10 @@ def update_checks(english_dir: Path | None = None):
     for ch in chapters:
         path = english_dir / ch.file if english_dir and (english_dir / ch.file).exists() else ch.path
         notebooks[ch.file] = nbformat.read(path, as_version=4)
-    po = _save(update(check_sources(notebooks), catalogue_path(i18n.CHECKS_DOMAIN)), i18n.CHECKS_DOMAIN)
+    done = [_save(update(sources(notebooks), catalogue_path(domain)), domain)
+            for domain, sources in ((i18n.CHECKS_DOMAIN, check_sources), (i18n.MESSAGES_DOMAIN, message_sources))]
     i18n.catalogue.cache_clear()
-    return po
+    return done
 
 
 def build(chapter, english: Path | None = None, out: Path | None = None, po=None):
@@ -297,9 +344,9 @@ def translate(chapters, *, english_dir: Path | None = None, update_catalogues: b
         exercises = update_exercises()
         if needs_work(exercises):
             done.problems[i18n.EXERCISES_DOMAIN] = str(Untranslated(Path(exercises.fpath), needs_work(exercises)))
-        lines = update_checks(english_dir)
-        if needs_work(lines):
-            done.problems[i18n.CHECKS_DOMAIN] = str(Untranslated(Path(lines.fpath), needs_work(lines)))
+        for po in update_checks(english_dir):
+            if needs_work(po):
+                done.problems[Path(po.fpath).stem] = str(Untranslated(Path(po.fpath), needs_work(po)))
     root = i18n.TRANSLATIONS.parent
     for ch in chapters:
         english = (english_dir / ch.file) if english_dir else ch.path
