@@ -49,8 +49,8 @@ def fill(translated: str, numbers: list[str]) -> str:
 
 
 def line(text: str, verdict: bool, measured: str | None = None, lang: str | None = None) -> str:
-    """The check line for ``text`` in ``lang`` (default: the notebook's language, :func:`helpers.notebook.i18n.language`);
-    English where the Chinese catalogue has no translation of the sentence."""
+    """The check line for ``text`` in ``lang`` (default: the notebook's language,
+    :func:`helpers.notebook.i18n.language`); English where the Chinese catalogue has no translation of the sentence."""
     from . import i18n
 
     lang = i18n.normalise(lang) if lang else i18n.language()

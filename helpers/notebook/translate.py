@@ -13,8 +13,9 @@ changed keeps its old translation marked ``fuzzy`` (with the old English as ``#|
 entry, and a removed cell's entry is kept as obsolete (``#~``). :func:`build` then makes ``notebooks/zh/NN_name.ipynb``
 from the *executed* English notebook: markdown replaced by its translation, a note on what stays English put after
 the title, code cells and their outputs as they are, except that a saved exercise verdict is shown in Chinese (from
-the msgid and fields it was saved with) and so is every check line (from its sentence's template and numbers). Nothing is executed, so both editions show the same run. A catalogue
-with an untranslated or fuzzy entry builds nothing and says which entries need work.
+the msgid and fields it was saved with), and so are every check line and the lines of ``zh-messages`` cells (from
+their sentences' templates and numbers). Nothing is executed, so both editions show the same run. A catalogue with an
+untranslated or fuzzy entry builds nothing and says which entries need work.
 
 Example::
 
@@ -38,7 +39,7 @@ CATALOGUES = i18n.TRANSLATIONS / LANG
 TITLE_CONTEXT = "syllabus title"
 EXERCISES = Path(__file__).resolve().parent / "exercises"
 NOTE_ID = "zh-edition-note"
-MESSAGES_TAG = "zh-messages"  # a code cell whose printed lines are messages for the learner (a validator's, a launcher's)
+MESSAGES_TAG = "zh-messages"  # a code cell whose printed lines are messages for the learner (validator, launcher)
 FUZZY_CUTOFF = 0.5  # difflib ratio above which a changed cell's old translation is offered as a fuzzy match
 HEADER = {
     "Project-Id-Version": "dtfz-course",
@@ -55,8 +56,7 @@ def edition_note(english_file: str) -> str:
     return (f"> **中文版说明：** 本笔记本由英文版 [`{english_file}`](../{english_file}) 生成：正文是翻译，代码单元格和"
             "它们的输出来自英文版的同一次运行。检查行（`[检查] …：True`）、ds_config 校验器和启动器给学习者的提示、"
             "练习的判定和提示是中文；代码、日志、调用栈和其他报错信息保持英文，图里的文字也是英文（matplotlib 默认"
-            "没有中文字体）。"
-            "术语的译法见 [术语表](GLOSSARY.md)。")
+            "没有中文字体）。术语的译法见 [术语表](GLOSSARY.md)。")
 
 
 @dataclass(frozen=True)
@@ -92,21 +92,25 @@ def exercise_sources(folder: Path = EXERCISES) -> list[Source]:
     return sorted(out, key=lambda s: (s.occurrence.split(":")[0], int(s.occurrence.split(":")[1])))
 
 
-def check_sources(notebooks: dict[str, object]) -> list[Source]:
-    """The template of every check line in the outputs of these English notebooks ({file: nbformat node}), in
-    order, each where it was printed (``notebooks/05_x.ipynb:<cell id>``)."""
-    from . import checks
-
-    out = []
+def _printed(notebooks: dict[str, object], tag: str | None = None):
+    """(occurrence, text) of every stream output of the code cells of these English notebooks ({file: nbformat
+    node}), in order, only those of cells tagged ``tag`` if given; occurrence is ``notebooks/05_x.ipynb:<cell id>``."""
     for file, nb in notebooks.items():
         for index, cell in enumerate(nb.cells):
-            if cell.cell_type != "code":
+            if cell.cell_type != "code" or (tag and tag not in cell.metadata.get("tags", [])):
                 continue
-            for out_ in cell.get("outputs", []):
-                if out_.get("output_type") == "stream":
-                    for text, _ in checks.parse("".join(out_.get("text", ""))):
-                        out.append(Source(checks.template(text)[0], f"notebooks/{file}:{cell.get('id', index)}"))
-    return out
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "stream":
+                    yield f"notebooks/{file}:{cell.get('id', index)}", "".join(out.get("text", ""))
+
+
+def check_sources(notebooks: dict[str, object]) -> list[Source]:
+    """The template of every check line in the outputs of these English notebooks, in order, each where it was
+    printed."""
+    from . import checks
+
+    return [Source(checks.template(text)[0], where) for where, printed in _printed(notebooks)
+            for text, _ in checks.parse(printed)]
 
 
 def is_message_line(row: str) -> bool:
@@ -122,17 +126,8 @@ def message_sources(notebooks: dict[str, object]) -> list[Source]:
     """The template of every message line printed by the ``zh-messages`` cells of these English notebooks."""
     from . import checks
 
-    out = []
-    for file, nb in notebooks.items():
-        for index, cell in enumerate(nb.cells):
-            if cell.cell_type != "code" or MESSAGES_TAG not in cell.metadata.get("tags", []):
-                continue
-            for out_ in cell.get("outputs", []):
-                if out_.get("output_type") == "stream":
-                    for row in "".join(out_.get("text", "")).split("\n"):
-                        if is_message_line(row):
-                            out.append(Source(checks.template(row)[0], f"notebooks/{file}:{cell.get('id', index)}"))
-    return out
+    return [Source(checks.template(row)[0], where) for where, printed in _printed(notebooks, MESSAGES_TAG)
+            for row in printed.split("\n") if is_message_line(row)]
 
 
 def localize_messages(text: str, table: dict[str, str]) -> str:
@@ -235,12 +230,12 @@ def build_notebook(english, po, english_file: str, *, strict: bool = True):
     if missing:
         raise Untranslated(Path(po.fpath or english_file), missing)
     for domain, sources in ((i18n.CHECKS_DOMAIN, check_sources), (i18n.MESSAGES_DOMAIN, message_sources)):
-        known = i18n.catalogue(LANG, domain)
-        lines = {s.msgid for s in sources({english_file: english})}
-        if strict and lines - set(known):
+        unknown = {s.msgid for s in sources({english_file: english})} - set(i18n.catalogue(LANG, domain)) \
+            if strict else set()
+        if unknown:
             import polib
 
-            raise Untranslated(catalogue_path(domain), [polib.POEntry(msgid=m) for m in sorted(lines - set(known))])
+            raise Untranslated(catalogue_path(domain), [polib.POEntry(msgid=m) for m in sorted(unknown)])
     messages = i18n.catalogue(LANG, i18n.MESSAGES_DOMAIN)
     nb = copy.deepcopy(english)
     for cell in nb.cells:
