@@ -132,3 +132,23 @@ def test_the_glossary_states_the_choices_the_tests_hold():
     for word in ["卡住", "张", "第 N 节", "batch size", "避坑", "集合通信", "合并", "loss", "断点续训", "单机多卡"]:
         assert word in table, word
     assert "挂起（卡死）" not in table
+
+
+def catalogue_texts() -> dict[str, str]:
+    """Every translated string of every Chinese catalogue (notebooks, exercises and widgets, checks, messages)."""
+    return {path.name: "\n".join(e.msgstr for e in polib.pofile(str(path)) if not e.obsolete)
+            for path in sorted((i18n.TRANSLATIONS / i18n.CHINESE).glob("*.po"))}
+
+
+def test_the_punctuation_check_finds_halfwidth_marks_in_chinese():
+    from test_readme_zh import halfwidth_punctuation_problems
+
+    assert len(halfwidth_punctuation_problems("模型状态(参数),梯度;优化器状态:三者")) == 5
+    assert halfwidth_punctuation_problems("模型状态（参数），`a, b` 和 {0}（{1}）") == []
+
+
+@pytest.mark.parametrize("name", list(catalogue_texts()))
+def test_chinese_text_takes_fullwidth_punctuation(name):
+    from test_readme_zh import halfwidth_punctuation_problems
+
+    assert halfwidth_punctuation_problems(catalogue_texts()[name]) == []
