@@ -1,6 +1,6 @@
 """What a learner sees: JupyterLab in a real browser opens every notebook on the course kernel, runs notebook 00
 without an error, and the ZeRO memory calculator answers its "parameters (B)" slider; a Chinese JupyterLab opens
-a Chinese notebook with its Chinese heading and the same working widget.
+a Chinese notebook with its Chinese heading and the same working widget, its labels and table in Chinese.
 
 Drives Debian's Chromium (/usr/bin/chromium) with Playwright against a throwaway JupyterLab on a copy of the course.
 Screenshots go to build/browser/. Skipped, with the reason, only where Chromium or Playwright is missing.
@@ -12,6 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from helpers.notebook.i18n import _
 from helpers.notebook.runner import BUILD, syllabus
 
 from browser.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, copy_course, make_notebook
@@ -147,16 +148,16 @@ def _settled_text(locator, differing_from: str, timeout_s: float, quiet_s: float
     return text
 
 
-def _figures(text: str) -> tuple[float, float]:
-    """(parameters in billions, paper total per device in GB) as the calculator's table shows them."""
-    count, unit = re.search(r"([\d.]+)([BM]) parameters", text).groups()
-    total = re.search(r"^total\s+([\d.]+)", text, re.M).group(1)
+def _figures(text: str, lang: str = "en") -> tuple[float, float]:
+    """(parameters in billions, paper total per device in GB) as the calculator's table shows them in ``lang``."""
+    count, unit = re.search(r"([\d.]+)([BM]) " + re.escape(_("parameters").render(lang)), text).groups()
+    total = re.search(rf"^{re.escape(_('total').render(lang))}\s+([\d.]+)", text, re.M).group(1)
     return float(count) / (1000 if unit == "M" else 1), float(total)
 
 
-def _drive_calculator(view, page, cells, shot: str) -> tuple[float, float, float, float]:
-    """Run the calculator's cells, press the "parameters (B)" slider six steps right; (B before, B after, GB
-    before, GB after) once its table has changed and settled."""
+def _drive_calculator(view, page, cells, shot: str, lang: str = "en") -> tuple[float, float, float, float]:
+    """Run the calculator's cells, press the "parameters (B)" slider (its label in ``lang``, the kernel's language)
+    six steps right; (B before, B after, GB before, GB after) once its table has changed and settled."""
     view.open()
     view.run_cells(cells, timeout_s=300)
     calculator = page.locator(".zero-calculator").first
@@ -166,7 +167,7 @@ def _drive_calculator(view, page, cells, shot: str) -> tuple[float, float, float
     before = result.inner_text()
     view.screenshot(SHOTS / f"{shot}-before.png", element=calculator)
 
-    slider = calculator.locator(".widget-slider", has=page.locator("label", has_text="parameters (B)"))
+    slider = calculator.locator(".widget-slider", has=page.locator("label", has_text=_("parameters (B)").render(lang)))
     slider.locator(".noUi-handle").focus()
     for _ in range(6):  # each step is 0.05 in log10: x1.12 per press, about x2 in all
         page.keyboard.press("ArrowRight")
@@ -174,7 +175,7 @@ def _drive_calculator(view, page, cells, shot: str) -> tuple[float, float, float
     view.screenshot(SHOTS / f"{shot}-after.png", element=calculator)
 
     assert after != before, "the calculator's table did not change when the slider moved"
-    (params_before, total_before), (params_after, total_after) = _figures(before), _figures(after)
+    (params_before, total_before), (params_after, total_after) = _figures(before, lang), _figures(after, lang)
     assert params_after > params_before
     assert total_after > total_before
     return params_before, params_after, total_before, total_after
@@ -207,7 +208,7 @@ def test_a_chinese_notebook_opens_in_chinese_jupyterlab_and_its_widget_works(lab
     assert re.search(r"[\u4e00-\u9fff]", heading), heading
     view = NotebookPage(page, lab_zh, path)
     try:
-        p0, p1, t0, t1 = _drive_calculator(view, page, wanted, "zh-zero-calculator")
+        p0, p1, t0, t1 = _drive_calculator(view, page, wanted, "zh-zero-calculator", "zh_CN")
         assert page.locator(".jp-MarkdownOutput h1").first.inner_text().strip().rstrip("¶").strip() == heading
         assert page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^编辑$")).count() == 1, \
             "JupyterLab's menus are not in Chinese"

@@ -121,7 +121,7 @@ def test_code_cells_and_outputs_are_the_english_ones(chapter):
     assert len(note) == 1 and chinese.cells.index(note[0]) == 1, "one edition note, right after the title"
     cells = [c for c in chinese.cells if c.get("id") != translate.NOTE_ID]
     assert [(c.cell_type, c.get("id")) for c in cells] == [(c.cell_type, c.get("id")) for c in english.cells]
-    verdicts = lines = messages = 0
+    verdicts = lines = messages = tables = 0
     for en, zh in zip(english.cells, cells):
         if en.cell_type != "code":
             continue
@@ -136,6 +136,12 @@ def test_code_cells_and_outputs_are_the_english_ones(chapter):
                 assert out_zh["data"]["text/plain"].startswith(("正确：", "还不对：")), out_zh["data"]["text/plain"]
                 rest = {k: v for k, v in out_zh["data"].items() if k != "text/plain"}
                 assert rest == {k: v for k, v in out_en["data"].items() if k != "text/plain"}
+            elif saved and saved.get("kind") == "lines":  # a table or calculator: its cells rendered in Chinese
+                tables += 1
+                assert out_zh["data"][i18n.MIME] == saved
+                assert out_zh["data"]["text/plain"] == i18n.Lines.from_json(saved).render(i18n.CHINESE)
+                assert out_zh["data"]["text/plain"] != out_en["data"]["text/plain"]
+                assert out_en["data"]["text/plain"] == i18n.Lines.from_json(saved).render(i18n.ENGLISH)
             elif out_en.get("output_type") == "stream" and translate.MESSAGES_TAG in en.metadata.get("tags", []):
                 messages += 1
                 shown = translate.localize_messages(checks.localize(out_en["text"], i18n.CHINESE),
@@ -152,6 +158,8 @@ def test_code_cells_and_outputs_are_the_english_ones(chapter):
             else:
                 assert out_zh == out_en
     assert verdicts >= 2, "every chapter has at least two exercises whose saved verdicts are shown in Chinese"
+    assert tables == sum(1 for c in english.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                         if o.get("data", {}).get(i18n.MIME, {}).get("kind") == "lines")
     assert lines == sum(1 for c in english.cells if c.cell_type == "code" for o in c.get("outputs", [])
                         if o.get("output_type") == "stream" and checks.parse(o["text"])
                         and translate.MESSAGES_TAG not in c.metadata.get("tags", []))

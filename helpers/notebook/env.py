@@ -9,7 +9,7 @@ subprocess that prints JSON. ``ds_report`` and the ``torch.compile`` smoke test 
 Example (``python -m helpers.notebook.env`` prints the report as JSON)::
 
     run = launch.torchrun("course/allreduce_check.py")
-    print(env.verdict_table(env.verdict(env.report(allreduce=run.result))))
+    env.verdict_table(env.verdict(env.report(allreduce=run.result)))   # in a notebook: the table, in its language
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..launch.machine import cuda_capabilities, cuda_probe  # noqa: F401  (cuda_capabilities: for callers here)
 from ..rank.devices import cpu_count, default_backend, default_nproc, gpu_count  # noqa: F401
+from .i18n import AUTO, Cell, Lines, _, join
 
 PROFILES = ("auto", "smoke", "full")
 PROFILE_ENV = "COURSE_PROFILE"
@@ -220,20 +221,22 @@ def report(*, allreduce: dict | list | None = None, deepspeed: bool = True, torc
 # --- the verdict ----------------------------------------------------------------------------
 def _allreduce_outcome(ar) -> tuple[str, str]:
     if not ar:
-        return "warn", "not run yet: launch course/allreduce_check.py with helpers.launch.torchrun"
+        return "warn", _("not run yet: launch course/allreduce_check.py with helpers.launch.torchrun")
     results = [r for r in ar if r.get("kind") == "result"] if isinstance(ar, list) else [ar]
     world = max((r.get("world_size", 0) for r in results), default=0)
     ok = bool(results) and all(r.get("allreduce_ok") and r.get("all_ranks_ok", True) for r in results)
     r0 = results[0] if results else {}
     if ok:
-        return "ok", f"{world} ranks, backend {r0.get('backend')}: sum {r0.get('all_reduce')} == {r0.get('expected')}"
-    return "fail", (f"all-reduce gave {r0.get('all_reduce')}, expected {r0.get('expected')}: check the rank logs; "
-                    "NCCL_DEBUG=INFO shows which transport NCCL chose")
+        return "ok", _("{world} ranks, backend {backend}: sum {got} == {expected}", world=world,
+                       backend=r0.get("backend"), got=r0.get("all_reduce"), expected=r0.get("expected"))
+    return "fail", _("all-reduce gave {got}, expected {expected}: check the rank logs; NCCL_DEBUG=INFO shows which "
+                     "transport NCCL chose", got=r0.get("all_reduce"), expected=r0.get("expected"))
 
 
 def verdict(report: dict) -> list[dict]:
     """Rows ``{"check", "status": ok|warn|fail, "advice"}``, ending with: ready for DDP, ready for
-    DeepSpeed (advice "yes"/"no"/"not yet ...") and the backend."""
+    DeepSpeed (advice "yes"/"no"/"not yet ...") and the backend. ``check`` and ``advice`` are messages
+    (:func:`helpers.notebook.i18n._`): English strings that the Chinese edition shows in Chinese."""
     rows: list[dict] = []
 
     def row(check, status, advice):
@@ -242,63 +245,74 @@ def verdict(report: dict) -> list[dict]:
     def ready(check, needs):
         st = "fail" if any(r["status"] == "fail" for r in needs) else "ok" if all(r["status"] == "ok" for r in needs) \
             else "warn"
-        blockers = ", ".join(r["check"] for r in needs if r["status"] == st)
-        row(check, st, {"ok": "yes", "warn": f"not yet: see {blockers}", "fail": f"no: see {blockers}"}[st])
+        blockers = join(r["check"] for r in needs if r["status"] == st)
+        row(check, st, {"ok": _("yes"), "warn": _("not yet: see {blockers}", blockers=blockers),
+                        "fail": _("no: see {blockers}", blockers=blockers)}[st])
 
     if report.get("torch_error"):
-        row("torch imports", "fail", f"{report['torch_error']} -- run `make setup` (pip install -e .)")
-        ready("ready for DDP", rows), ready("ready for DeepSpeed", rows[:1])
+        row(_("torch imports"), "fail",
+            _("{error} -- run `make setup` (pip install -e .)", error=report["torch_error"]))
+        ready(_("ready for DDP"), rows), ready(_("ready for DeepSpeed"), rows[:1])
         return rows
     v, n, smi, backend = report["versions"], report["gpu_count"], report.get("nvidia_smi") or [], report["backend"]
-    row("torch imports", "ok", f"torch {v['torch']} (CUDA build {v['torch_cuda'] or 'none: CPU-only wheel'})")
+    build = _("CUDA build {cuda}", cuda=v["torch_cuda"]) if v["torch_cuda"] else _("CUDA build none: CPU-only wheel")
+    row(_("torch imports"), "ok", _("torch {version} ({build})", version=v["torch"], build=build))
+    gpus = _("GPUs visible")
     if n > 0:
-        row("GPUs visible", "ok", f"{n} x {report['devices'][0]['name']}")
+        row(gpus, "ok", _("{n} x {name}", n=n, name=report["devices"][0]["name"]))
     elif smi:
-        why = ("this torch is a CPU-only build: install a CUDA wheel" if not v["torch_cuda"] else
-               f"CUDA_VISIBLE_DEVICES={report.get('cuda_visible_devices')!r} hides them, or the driver is too old "
-               f"for CUDA {v['torch_cuda']}")
-        row("GPUs visible", "fail", f"nvidia-smi lists {len(smi)} GPU(s) but torch sees none: {why}")
+        why = (_("this torch is a CPU-only build: install a CUDA wheel") if not v["torch_cuda"] else
+               _("CUDA_VISIBLE_DEVICES={visible!r} hides them, or the driver is too old for CUDA {cuda}",
+                 visible=report.get("cuda_visible_devices"), cuda=v["torch_cuda"]))
+        row(gpus, "fail", _("nvidia-smi lists {count} GPU(s) but torch sees none: {why}", count=len(smi), why=why))
     else:
-        row("GPUs visible", "warn", "no GPU -- the course runs on CPU with gloo; if you expected GPUs, the container "
-            "was probably started without `--gpus all` / check nvidia-smi and CUDA_VISIBLE_DEVICES")
+        row(gpus, "warn", _("no GPU -- the course runs on CPU with gloo; if you expected GPUs, the container was "
+                            "probably started without `--gpus all` / check nvidia-smi and CUDA_VISIBLE_DEVICES"))
     if report.get("probe_error"):
-        row("CUDA probe", "fail", f"{report['probe_error']} -- check the driver with nvidia-smi")
+        row(_("CUDA probe"), "fail", _("{error} -- check the driver with nvidia-smi", error=report["probe_error"]))
+    chosen = _("backend chosen")
     if n > 0 and backend != "nccl":
-        row("backend chosen", "warn", "GPUs present but this torch has no NCCL: gloo works, slowly")
+        row(chosen, "warn", _("GPUs present but this torch has no NCCL: gloo works, slowly"))
     else:
-        row("backend chosen", "ok", f"{backend} ({report['nproc']} ranks, {'one per GPU' if n else 'on CPU'})")
-    row("multi-rank all-reduce", *_allreduce_outcome(report.get("allreduce")))
+        row(chosen, "ok", _("{backend} ({nproc} ranks, one per GPU)", backend=backend, nproc=report["nproc"]) if n
+            else _("{backend} ({nproc} ranks, on CPU)", backend=backend, nproc=report["nproc"]))
+    row(_("multi-rank all-reduce"), *_allreduce_outcome(report.get("allreduce")))
     # A missing GPU is a warning (the course runs on CPU), a failed check is not.
     ddp = [r for r in rows if r["status"] == "fail" or r["check"] == "multi-rank all-reduce"]
 
     ds, want = report.get("deepspeed"), ("cuda" if n else "cpu")
     if ds is None:
-        row("DeepSpeed", "warn", "not checked (report(deepspeed=False))")
+        row("DeepSpeed", "warn", _("not checked (report(deepspeed=False))"))
     elif not v.get("deepspeed") or not ds.get("ok"):
-        row("DeepSpeed", "fail", f"ds_report failed: {(ds.get('error') or 'no op table').strip()[-300:]}")
+        row("DeepSpeed", "fail", _("ds_report failed: {error}",
+                                   error=(ds.get("error") or "no op table").strip()[-300:]))
     elif ds.get("accelerator") != want:
-        row("DeepSpeed", "warn", f"accelerator {ds.get('accelerator')}, expected {want}: set DS_ACCELERATOR={want}")
+        row("DeepSpeed", "warn", _("accelerator {got}, expected {want}: set DS_ACCELERATOR={want}",
+                                   got=ds.get("accelerator"), want=want))
     else:
-        row("DeepSpeed", "ok", f"deepspeed {v['deepspeed']}, accelerator {ds['accelerator']}")
+        row("DeepSpeed", "ok", _("deepspeed {version}, accelerator {accelerator}", version=v["deepspeed"],
+                                 accelerator=ds["accelerator"]))
     ds_row = rows[-1]
 
     c = report.get("compile")
     if c is None:
-        row("torch.compile", "warn", "not checked (report(torch_compile=False))")
+        row("torch.compile", "warn", _("not checked (report(torch_compile=False))"))
     elif c.get("ok"):
-        row("torch.compile", "ok", f"compiled a small MLP in {c['compile_s']} s, matches eager")
+        row("torch.compile", "ok", _("compiled a small MLP in {seconds} s, matches eager", seconds=c["compile_s"]))
     else:
-        row("torch.compile", "warn", f"{c.get('error')} -- optional for this course; on CPU it needs gcc")
-    ready("ready for DDP", ddp)
-    ready("ready for DeepSpeed", ddp + [ds_row])
-    row("backend", "ok", backend)
+        row("torch.compile", "warn",
+            _("{error} -- optional for this course; on CPU it needs gcc", error=c.get("error")))
+    ready(_("ready for DDP"), ddp)
+    ready(_("ready for DeepSpeed"), ddp + [ds_row])
+    row(_("backend"), "ok", backend)
     return rows
 
 
-def verdict_table(rows: list[dict]) -> str:
-    """The verdict as aligned text, one row per line."""
-    width = max(len(r["check"]) for r in rows)
-    return "\n".join(f"{r['status'].upper():<5} {r['check']:<{width}}  {r['advice']}" for r in rows)
+def verdict_table(rows: list[dict]) -> Lines:
+    """The verdict as aligned lines, one row per line, in the kernel's language (``str()`` or display it; a saved
+    output keeps each message's msgid and fields, so the Chinese edition shows it in Chinese)."""
+    return Lines([[Cell(r["status"].upper(), 6), Cell(r["check"], AUTO), Cell("  "), Cell(r["advice"])]
+                  for r in rows])
 
 
 if __name__ == "__main__":

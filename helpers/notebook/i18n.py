@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 import os
 import string
+import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 
 ENGLISH = "en"
@@ -86,29 +88,44 @@ def fill(template: str, rendered: dict[str, str]) -> str:
 
 
 class Text(str):
-    """An English message (``str`` value) that can also be shown in another language; see :func:`_`."""
+    """An English message (``str`` value) that can also be shown in another language; see :func:`_`.
+
+    A field whose value is itself a :class:`Text` (``nested``) is shown in the same language as the message. A
+    ``plain`` text is a template of its own (:func:`join`): it is never looked up in a catalogue."""
 
     msgid: str
     rendered: dict[str, str]
+    nested: dict[str, "Text"]
+    plain: bool
 
-    def __new__(cls, msgid: str, rendered: dict[str, str]):
+    def __new__(cls, msgid: str, rendered: dict[str, str], nested: dict | None = None, plain: bool = False):
         obj = super().__new__(cls, fill(msgid, rendered))
-        obj.msgid, obj.rendered = msgid, dict(rendered)
+        obj.msgid, obj.rendered, obj.nested, obj.plain = msgid, dict(rendered), dict(nested or {}), plain
         return obj
 
     def render(self, lang: str | None = None) -> str:
-        return render(self.msgid, self.rendered, lang)
+        values = {**self.rendered, **{key: text.render(lang) for key, text in self.nested.items()}}
+        return fill(self.msgid, values) if self.plain else render(self.msgid, values, lang)
 
     def to_json(self) -> dict:
-        return {"msgid": self.msgid, "fields": self.rendered}
+        data = {"msgid": self.msgid, "fields": self.rendered}
+        if self.nested:
+            data["nested"] = {key: text.to_json() for key, text in self.nested.items()}
+        if self.plain:
+            data["plain"] = True
+        return data
 
 
 def _(msgid: str, **values) -> Text:
-    """Mark ``msgid`` for translation and fill its fields from ``values`` (``{name}``, ``{name!r}``, ``{n:.1f}``)."""
-    rendered, names = {}, set()
+    """Mark ``msgid`` for translation and fill its fields from ``values`` (``{name}``, ``{name!r}``, ``{n:.1f}``).
+
+    A value that is a :class:`Text`, in a field with no conversion or format spec, is translated with the message."""
+    rendered, nested, names = {}, {}, set()
     for key, name, conversion, spec in fields(msgid):
         value = values[name]
-        if conversion == "r":
+        if isinstance(value, Text) and not conversion and not spec:
+            nested[key] = value
+        elif conversion == "r":
             value = repr(value)
         elif conversion == "s":
             value = str(value)
@@ -119,12 +136,40 @@ def _(msgid: str, **values) -> Text:
     unused = set(values) - names
     if unused:
         raise TypeError(f"values {sorted(unused)} are not fields of {msgid!r}")
-    return Text(msgid, rendered)
+    return Text(msgid, rendered, nested)
+
+
+def join(items, sep: str = ", ") -> Text:
+    """``sep.join(items)`` as a :class:`Text` whose items (Texts or strings) are each shown in its language."""
+    items = list(items)
+    texts = {f"item{i}": item if isinstance(item, Text) else Text(str(item).replace("{", "{{").replace("}", "}}"),
+                                                                  {}, plain=True)
+             for i, item in enumerate(items)}
+    msgid = sep.replace("{", "{{").replace("}", "}}").join(f"{{item{i}}}" for i in range(len(items)))
+    return Text(msgid, {key: str(text) for key, text in texts.items()}, texts, plain=True)
 
 
 def as_json(text: str) -> dict:
     """A message as stored under :data:`MIME`; a plain ``str`` is its own msgid (it is then not translated)."""
     return text.to_json() if isinstance(text, Text) else {"msgid": text, "fields": {}, "plain": True}
+
+
+def from_json(data: dict) -> str:
+    """The message :func:`as_json` stored: a :class:`Text`, or the ``str`` itself if it was never marked."""
+    if data.get("plain") and not data.get("fields") and not data.get("nested"):
+        return data["msgid"]
+    nested = {key: from_json(value) for key, value in data.get("nested", {}).items()}
+    return Text(data["msgid"], data.get("fields", {}),
+                {key: value if isinstance(value, Text) else Text(value, {}, plain=True)
+                 for key, value in nested.items()}, plain=bool(data.get("plain")))
+
+
+def marked_msgids(text) -> list[str]:
+    """The catalogue msgids a message needs: its own unless plain, then its nested fields'."""
+    if not isinstance(text, Text):
+        return []
+    own = [] if text.plain else [text.msgid]
+    return own + [m for nested in text.nested.values() for m in marked_msgids(nested)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,3 +193,100 @@ def render(msgid: str, rendered: dict[str, str], lang: str | None = None) -> str
 def localized(text: str, lang: str | None = None) -> str:
     """A :class:`Text` in ``lang``; an unmarked ``str`` as it is, in every language."""
     return text.render(lang) if isinstance(text, Text) else text
+
+
+def label(text: str) -> str:
+    """A widget's label (``description``, a tooltip) in the kernel's language: a widget shows a plain string."""
+    return localized(text)
+
+
+def width(text: str) -> int:
+    """The columns ``text`` takes in a terminal or a notebook's monospace output: 2 per wide (CJK) character."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
+AUTO = "auto"  # a Cell width: as wide as the widest cell of its column, in the language shown
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Part of a :class:`Lines` row: a message (:class:`Text`, translated) or a ``str`` (kept as it is), padded to
+    ``width`` columns (an int, :data:`AUTO`, or None for no padding), ``align`` ``<`` (left) or ``>`` (right)."""
+
+    text: str
+    width: int | str | None = None
+    align: str = "<"
+
+
+class Lines:
+    """Lines for the learner (a table, a calculator's figures) whose words are messages: shown in the kernel's
+    language, padded by display width so a Chinese table stays aligned, and saved with every cell's msgid and fields
+    (under :data:`MIME`, kind ``lines``) so the Chinese build renders a saved English output in Chinese.
+
+    Example::
+
+        >>> rows = [[Cell(_("total"), 8), Cell("1.9", 6, ">")]]
+        >>> Lines(rows).render("en"), Lines(rows).render("zh_CN")
+        ('total      1.9', '总计        1.9')
+    """
+
+    def __init__(self, rows):
+        self.rows = [[cell if isinstance(cell, Cell) else Cell(cell) for cell in row] for row in rows]
+
+    def render(self, lang: str | None = None) -> str:
+        shown = [[localized(cell.text, lang) for cell in row] for row in self.rows]
+        auto: dict[int, int] = {}
+        for row, texts in zip(self.rows, shown):
+            for i, (cell, text) in enumerate(zip(row, texts)):
+                if cell.width == AUTO:
+                    auto[i] = max(auto.get(i, 0), width(text))
+        out = []
+        for row, texts in zip(self.rows, shown):
+            parts = []
+            for i, (cell, text) in enumerate(zip(row, texts)):
+                size = auto[i] if cell.width == AUTO else cell.width or 0
+                gap = " " * max(0, size - width(text))
+                parts.append(gap + text if cell.align == ">" else text + gap)
+            out.append("".join(parts).rstrip())
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __add__(self, other: "Lines") -> "Lines":
+        return Lines(self.rows + other.rows)
+
+    def msgids(self) -> list[str]:
+        return [m for row in self.rows for cell in row for m in marked_msgids(cell.text)]
+
+    def to_json(self) -> dict:
+        return {"kind": "lines", "rows": [[{"text": as_json(c.text), "width": c.width, "align": c.align} for c in row]
+                                          for row in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Lines":
+        return cls([[Cell(from_json(c["text"]), c.get("width"), c.get("align", "<")) for c in row]
+                    for row in data["rows"]])
+
+    def _repr_mimebundle_(self, **_kwargs):
+        return {"text/plain": self.render(), MIME: self.to_json()}
+
+
+def message(row: str, lang: str | None = None) -> str:
+    """A line a validator or the launcher prints (English, from code below the notebook layer) in ``lang``, from
+    ``translations/<lang>/messages.po``'s template of it (numbers put back); as it is where the catalogue lacks it."""
+    from . import checks
+
+    lang = normalise(lang) if lang else language()
+    if lang == ENGLISH or not row.strip():
+        return row
+    msgid, numbers = checks.template(row)
+    table = catalogue(lang, MESSAGES_DOMAIN)
+    return checks.fill(table[msgid], numbers) if msgid in table else row
+
+
+def say(*values, sep: str = " ") -> None:
+    """``print`` for a validator's or the launcher's messages: each printed line in the kernel's language
+    (:func:`message`); in English exactly what ``print`` prints."""
+    text = sep.join(str(v) for v in values)
+    print("\n".join(message(row) for row in text.split("\n")), flush=True)

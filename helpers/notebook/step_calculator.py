@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import ipywidgets as w
 
 from ..calc import activations
-from .widgets import ZeroCalculator, ZeroFigures, render_html, render_text
+from .i18n import Cell, Lines, _, label
+from .widgets import ZeroCalculator, ZeroFigures, render_html, text_lines
 
 MIB = 2 ** 20
 TP_CHOICES = (1, 2, 4, 8)
@@ -37,12 +38,18 @@ class StepFigures:
 
     def lines(self) -> list[str]:
         a = self.activations
-        return [f"activations per device: checkpoint={self.checkpoint}, TP degree {self.tp}, "
-                f"sequence parallel {'on' if self.sp else 'off'}",
-                f"{'layers':<18}{a['layers'] / MIB:>12.2f} MiB",
-                f"{'head and inputs':<18}{a['head'] / MIB:>12.2f} MiB",
-                f"{'total':<18}{a['total'] / MIB:>12.2f} MiB",
-                f"model states (1/{self.tp} of the parameters) + activations: {self.step['total'] / MIB:.2f} MiB"]
+        return [_("activations per device: checkpoint={checkpoint}, TP degree {tp}, sequence parallel {sp}",
+                  checkpoint=self.checkpoint, tp=self.tp, sp=_("on") if self.sp else _("off")),
+                *(Lines([[Cell(label, 18), Cell(f"{a[key] / MIB:.2f}", 12, ">"), " MiB"]]) for key, label in
+                  (("layers", _("layers")), ("head", _("head and inputs")), ("total", _("total")))),
+                _("model states (1/{tp} of the parameters) + activations: {mib:.2f} MiB", tp=self.tp,
+                  mib=self.step["total"] / MIB)]
+
+    def activation_lines(self) -> Lines:
+        return Lines([row for line in self.lines() for row in (line.rows if isinstance(line, Lines) else [[line]])])
+
+    def text_lines(self) -> Lines:
+        return text_lines(self.zero) + self.activation_lines()
 
 
 def step_figures(params: float, devices: int, stage: int, precision: str, *, gpt: dict, checkpoint: str = "none",
@@ -63,9 +70,9 @@ class StepMemoryCalculator(ZeroCalculator):
         self.gpt = dict(gpt)
         style = {"description_width": "110px"}
         self.extra = {"checkpoint": w.ToggleButtons(options=list(activations.CHECKPOINTS), value=checkpoint,
-                                                    description="checkpointing", style=style),
-                      "tp": w.Dropdown(options=TP_CHOICES, value=tp, description="TP degree", style=style),
-                      "sp": w.Checkbox(value=sp, description="sequence parallel", style=style)}
+                                                    description=label(_("checkpointing")), style=style),
+                      "tp": w.Dropdown(options=TP_CHOICES, value=tp, description=label(_("TP degree")), style=style),
+                      "sp": w.Checkbox(value=sp, description=label(_("sequence parallel")), style=style)}
         super().__init__(params, devices, stage, precision, "none")
         self.controls["params"].min = -6  # a course GPT has ~0.1M parameters; notebook 03's slider starts at 10M
         self.controls["params"].value = params / 1e9
@@ -84,14 +91,13 @@ class StepMemoryCalculator(ZeroCalculator):
                             gpt=self.gpt, checkpoint=extra["checkpoint"].value, tp=tp, sp=bool(extra["sp"].value),
                             zero=zero if tp == 1 else None)
 
-    def text(self) -> str:
-        f = self.figures()
-        return render_text(f.zero) + "\n" + "\n".join(f.lines())
+    def lines(self) -> Lines:
+        return self.figures().text_lines()
 
     def _update(self, _change=None) -> None:
         f = self.figures()
         self.result.value = render_html(f.zero) + "".join(f"<div><code>{html.escape(line)}</code></div>"
-                                                          for line in f.lines())
+                                                          for line in f.activation_lines().render().split("\n"))
 
 
 def step_calculator(params: float, devices: int = 1, stage: int = 0, precision: str = "fp32", *, gpt: dict,

@@ -55,8 +55,8 @@ def edition_note(english_file: str) -> str:
     """The cell the build puts after each Chinese notebook's title: what stays English, and where the terms are."""
     return (f"> **中文版说明：** 本笔记本由英文版 [`{english_file}`](../{english_file}) 生成：正文是翻译，代码单元格和"
             "它们的输出来自英文版的同一次运行。检查行（`[检查] …：True`）、ds_config 校验器和启动器给学习者的提示、"
-            "练习的判定和提示是中文；代码、日志、调用栈和其他报错信息保持英文，图里的文字也是英文（matplotlib 默认"
-            "没有中文字体）。术语的译法见 [术语表](GLOSSARY.md)。")
+            "环境检查的结论表、计算器和配置生成器的表格与标签、练习的判定和提示是中文；代码、日志、调用栈和其他报错"
+            "信息保持英文，图里的文字也是英文（matplotlib 默认没有中文字体）。术语的译法见 [术语表](GLOSSARY.md)。")
 
 
 @dataclass(frozen=True)
@@ -81,15 +81,31 @@ def notebook_sources(nb, file: str, title: str) -> list[Source]:
     return out
 
 
-def exercise_sources(folder: Path = EXERCISES) -> list[Source]:
-    """Every ``_("literal", ...)`` in the exercise checkers, in file and line order."""
+MARKED = (Path(__file__).resolve().parent / "widgets.py", Path(__file__).resolve().parent / "step_calculator.py",
+          Path(__file__).resolve().parent / "env.py")  # beside the exercise checkers: modules whose _() messages
+# (widget labels, the calculators' tables, notebook 00's verdict) go into the same catalogue
+
+
+def exercise_sources(folder: Path = EXERCISES, also: tuple[Path, ...] = MARKED) -> list[Source]:
+    """Every ``_("literal", ...)`` in the exercise checkers (and in the modules ``also``), in file and line order."""
     out = []
-    for path in sorted(folder.glob("*.py")):
+    root = Path(__file__).resolve().parents[2]
+    for path in [*sorted(folder.glob("*.py")), *also]:
+        where = path.resolve().relative_to(root).as_posix() if path.resolve().is_relative_to(root) else path.name
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_"
                     and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-                out.append(Source(node.args[0].value, f"helpers/notebook/exercises/{path.name}:{node.lineno}"))
+                out.append(Source(node.args[0].value, f"{where}:{node.lineno}"))
     return sorted(out, key=lambda s: (s.occurrence.split(":")[0], int(s.occurrence.split(":")[1])))
+
+
+def saved_lines(nb):
+    """(cell id, :class:`helpers.notebook.i18n.Lines`) of every saved ``lines`` output (a table, a calculator)."""
+    for index, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            saved = out.get("data", {}).get(i18n.MIME)
+            if saved and saved.get("kind") == "lines":
+                yield cell.get("id", index), i18n.Lines.from_json(saved)
 
 
 def _printed(notebooks: dict[str, object], tag: str | None = None):
@@ -236,6 +252,12 @@ def build_notebook(english, po, english_file: str, *, strict: bool = True):
             import polib
 
             raise Untranslated(catalogue_path(domain), [polib.POEntry(msgid=m) for m in sorted(unknown)])
+    unknown = {m for _, lines in saved_lines(english) for m in lines.msgids()} - set(i18n.catalogue(LANG)) \
+        if strict else set()
+    if unknown:
+        import polib
+
+        raise Untranslated(catalogue_path(i18n.EXERCISES_DOMAIN), [polib.POEntry(msgid=m) for m in sorted(unknown)])
     messages = i18n.catalogue(LANG, i18n.MESSAGES_DOMAIN)
     nb = copy.deepcopy(english)
     for cell in nb.cells:
@@ -246,6 +268,8 @@ def build_notebook(english, po, english_file: str, *, strict: bool = True):
                 saved = out.get("data", {}).get(i18n.MIME)
                 if saved and saved.get("kind") == "verdict":
                     out["data"]["text/plain"] = render_saved(saved, LANG)
+                elif saved and saved.get("kind") == "lines":
+                    out["data"]["text/plain"] = i18n.Lines.from_json(saved).render(LANG)
                 if out.get("output_type") == "stream":
                     out["text"] = checks.localize("".join(out["text"]), LANG)
                     if MESSAGES_TAG in cell.metadata.get("tags", []):

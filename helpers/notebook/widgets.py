@@ -20,6 +20,7 @@ import ipywidgets as w
 
 from ..calc import memory
 from ..rank.deepspeed_facts import deepspeed_estimate
+from .i18n import MIME, Cell, Lines, _, label, localized, message
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 DEVICE_CHOICES = tuple(2 ** i for i in range(11))  # 1 .. 1024
@@ -64,10 +65,11 @@ def _effective_offload(stage: int, offload: str, notes: list) -> tuple[bool, boo
     optimizer = offload in ("optimizer", "optimizer+params")
     params = offload == "optimizer+params"
     if optimizer and stage == 0:
-        notes.append("DeepSpeed offloads optimizer states only with ZeRO stage 1, 2 or 3: nothing moved to CPU.")
+        notes.append(_("DeepSpeed offloads optimizer states only with ZeRO stage 1, 2 or 3: nothing moved to CPU."))
         return False, False
     if params and stage < 3:
-        notes.append("DeepSpeed offloads parameters only with ZeRO stage 3 (offload_param): they stay on the device.")
+        notes.append(_("DeepSpeed offloads parameters only with ZeRO stage 3 (offload_param): they stay on the "
+                       "device."))
         params = False
     return optimizer, params
 
@@ -75,7 +77,7 @@ def _effective_offload(stage: int, offload: str, notes: list) -> tuple[bool, boo
 def _deepspeed_row(params: float, devices: int, stage: int, optimizer_off: bool, params_off: bool,
                    largest_layer: int, notes: list) -> dict | None:
     if stage not in (2, 3):
-        notes.append("DeepSpeed has estimators for ZeRO stages 2 and 3 only.")
+        notes.append(_("DeepSpeed has estimators for ZeRO stages 2 and 3 only."))
         return None
     # whole 8-accelerator nodes where the count allows, else one node of them all (DeepSpeed's CPU column is per node)
     per_node = GPUS_PER_NODE if devices % GPUS_PER_NODE == 0 else devices
@@ -117,73 +119,100 @@ def zero_figures(params: float = 7.5e9, devices: int = 64, stage: int = 3, preci
     ds = _deepspeed_row(params, devices, stage, optimizer_off, params_off, largest, notes)
     if ds is not None:
         if precision != "mixed":
-            notes.append("DeepSpeed's estimators assume 16-bit parameters (mixed precision) whatever you pick here.")
+            notes.append(_("DeepSpeed's estimators assume 16-bit parameters (mixed precision) whatever you pick here."))
         if stage == 3 and largest_layer_params is None:
-            notes.append(f"ZeRO-3 estimate assumes the largest layer holds {LARGEST_LAYER_FRACTION:.0%} of the "
-                         f"parameters ({_params_label(largest)}), like GPT-3 6.7B's token embedding.")
+            notes.append(_("ZeRO-3 estimate assumes the largest layer holds {share:.0%} of the parameters ({largest}), "
+                           "like GPT-3 6.7B's token embedding.", share=LARGEST_LAYER_FRACTION,
+                           largest=_params_label(largest)))
         if not optimizer_off:
-            notes.append("DeepSpeed's device figure charges 18 bytes per partitioned parameter (the paper's 2 + 12 "
-                         "plus a 4-byte fp32 gradient copy)" + (", and room to gather the largest layer." if stage == 3
-                                                                else "."))
+            notes.append(_("DeepSpeed's device figure charges 18 bytes per partitioned parameter (the paper's 2 + 12 "
+                           "plus a 4-byte fp32 gradient copy), and room to gather the largest layer.") if stage == 3
+                         else _("DeepSpeed's device figure charges 18 bytes per partitioned parameter (the paper's "
+                                "2 + 12 plus a 4-byte fp32 gradient copy)."))
         else:
-            notes.append("With the optimizer offloaded DeepSpeed moves the gradients to CPU too (ZeRO-Offload); the "
-                         "device keeps the 16-bit parameters" + (" not offloaded and room to gather the largest layer."
-                                                                 if stage == 3 else "."))
-        notes.append("DeepSpeed's CPU figure is host memory per node, with its 1.5x buffer factor.")
+            notes.append(_("With the optimizer offloaded DeepSpeed moves the gradients to CPU too (ZeRO-Offload); the "
+                           "device keeps the 16-bit parameters not offloaded and room to gather the largest layer.")
+                         if stage == 3 else
+                         _("With the optimizer offloaded DeepSpeed moves the gradients to CPU too (ZeRO-Offload); the "
+                           "device keeps the 16-bit parameters."))
+        notes.append(_("DeepSpeed's CPU figure is host memory per node, with its 1.5x buffer factor."))
     return ZeroFigures(params=params, devices=devices, stage=stage, precision=precision, offload=offload,
                        paper=paper, paper_device=device, paper_cpu=cpu, by_stage=by_stage, deepspeed=ds, notes=notes)
 
 
-_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"), ("total", "total"))
+def _rows():
+    return (("params", _("parameters")), ("grads", _("gradients")), ("optimizer", _("optimizer states")),
+            ("total", _("total")))
 
 
 def _heading(f: ZeroFigures) -> str:
     k = memory.PRECISIONS[f.precision][2]
-    return (f"ZeRO stage {f.stage}: {_params_label(f.params)} parameters on {f.devices} devices, "
-            f"{f.precision} precision (K = {k}), offload: {f.offload}")
+    return _("ZeRO stage {stage}: {params} parameters on {devices} devices, {precision} precision (K = {k}), offload: "
+             "{offload}", stage=f.stage, params=_params_label(f.params), devices=f.devices, precision=f.precision, k=k,
+             offload=f.offload)
 
 
 def _stage_line(f: ZeroFigures) -> str:
-    return "paper total per device by stage: " + ", ".join(
-        f"{s}: {_gb(b)}" for s, b in f.by_stage.items()) + " GB"
+    return _("paper total per device by stage: {stages} GB",
+             stages=", ".join(f"{s}: {_gb(b)}" for s, b in f.by_stage.items()))
 
 
 def _nodes(ds: dict) -> str:
-    return f"{ds['nodes']} node{'s' if ds['nodes'] > 1 else ''} x {ds['per_node']} devices"
+    if ds["nodes"] > 1:
+        return _("{nodes} nodes x {per_node} devices", nodes=ds["nodes"], per_node=ds["per_node"])
+    return _("1 node x {per_node} devices", per_node=ds["per_node"])
+
+
+def _deepspeed_line(ds: dict) -> str:
+    return _("DeepSpeed row: {options} ({nodes})", options=ds["options"], nodes=_nodes(ds))
+
+
+def _note(note: str) -> str:
+    return _("note: {note}", note=note)
+
+
+def _header(ds) -> list:
+    return [_("GB per device"), _("paper: device"), _("paper: CPU")] + (
+        [_("DeepSpeed: device"), _("DeepSpeed: CPU/node")] if ds else [])
+
+
+def text_lines(f: ZeroFigures) -> Lines:
+    """The figures as :class:`helpers.notebook.i18n.Lines` (GB = 1e9 bytes): the kernel's language, and saved so
+    the Chinese edition shows them in Chinese."""
+    ds = f.deepspeed
+    widths = (18, 14, 12, 19, 21)
+    rows = [[_heading(f)], [""],
+            [Cell(label, size, "<" if i == 0 else ">") for i, (label, size) in enumerate(zip(_header(ds), widths))]]
+    for key, label in _rows():
+        row = [Cell(label, 18), Cell(_gb(f.paper_device[key]), 14, ">"), Cell(_gb(f.paper_cpu[key]), 12, ">")]
+        if ds and key == "total":
+            row += [Cell(_gb(ds["device"]), 19, ">"), Cell(_gb(ds["cpu_per_node"]), 21, ">")]
+        rows.append(row)
+    if ds:
+        rows.append([_deepspeed_line(ds)])
+    rows.append([_stage_line(f)])
+    rows.extend([_note(n)] for n in f.notes)
+    return Lines(rows)
 
 
 def render_text(f: ZeroFigures) -> str:
-    """Plain-text table of :class:`ZeroFigures` (GB = 1e9 bytes)."""
-    lines = [_heading(f), ""]
-    ds = f.deepspeed
-    lines.append(f"{'GB per device':<18}{'paper: device':>14}{'paper: CPU':>12}"
-                 + (f"{'DeepSpeed: device':>19}{'DeepSpeed: CPU/node':>21}" if ds else ""))
-    for key, label in _ROWS:
-        row = f"{label:<18}{_gb(f.paper_device[key]):>14}{_gb(f.paper_cpu[key]):>12}"
-        if ds and key == "total":
-            row += f"{_gb(ds['device']):>19}{_gb(ds['cpu_per_node']):>21}"
-        lines.append(row.rstrip())
-    if ds:
-        lines.append(f"DeepSpeed row: {ds['options']} ({_nodes(ds)})")
-    lines.append(_stage_line(f))
-    lines.extend(f"note: {n}" for n in f.notes)
-    return "\n".join(lines)
+    """Plain-text table of :class:`ZeroFigures` (GB = 1e9 bytes), in the kernel's language."""
+    return str(text_lines(f))
 
 
 def render_html(f: ZeroFigures) -> str:
     """The same figures as :func:`render_text`, as an HTML table."""
     ds = f.deepspeed
-    esc = html.escape
+    esc = lambda text: html.escape(localized(text))  # noqa: E731
     th = "padding:2px 10px;text-align:right;border-bottom:1px solid #999"
     td = "padding:2px 10px;text-align:right;font-family:monospace"
-    head = (f"<tr><th style='{th};text-align:left'>GB per device</th><th style='{th}'>paper: device</th>"
-            f"<th style='{th}'>paper: CPU</th>"
-            + (f"<th style='{th}'>DeepSpeed: device</th><th style='{th}'>DeepSpeed: CPU/node</th>" if ds else "")
-            + "</tr>")
+    labels = [esc(label) for label in _header(ds)]
+    head = ("<tr>" + f"<th style='{th};text-align:left'>{labels[0]}</th>"
+            + "".join(f"<th style='{th}'>{label}</th>" for label in labels[1:]) + "</tr>")
     body = []
-    for key, label in _ROWS:
+    for key, label in _rows():
         weight = "font-weight:bold;" if key == "total" else ""
-        cells = (f"<td style='{td};text-align:left;font-family:inherit;{weight}'>{label}</td>"
+        cells = (f"<td style='{td};text-align:left;font-family:inherit;{weight}'>{esc(label)}</td>"
                  f"<td style='{td};{weight}' data-key='paper-device-{key}'>{_gb(f.paper_device[key])}</td>"
                  f"<td style='{td};{weight}' data-key='paper-cpu-{key}'>{_gb(f.paper_cpu[key])}</td>")
         if ds:
@@ -196,10 +225,9 @@ def render_html(f: ZeroFigures) -> str:
     parts = [f"<div><b>{esc(_heading(f))}</b></div>",
              f"<table style='border-collapse:collapse;margin:4px 0'>{head}{''.join(body)}</table>"]
     if ds:
-        parts.append(f"<div>DeepSpeed row: <code>{esc(ds['options'])}</code> "
-                     f"({esc(_nodes(ds))})</div>")
+        parts.append(f"<div>{esc(_deepspeed_line(ds))}</div>")
     parts.append(f"<div>{esc(_stage_line(f))}</div>")
-    parts.extend(f"<div style='color:#555'>note: {esc(n)}</div>" for n in f.notes)
+    parts.extend(f"<div style='color:#555'>{esc(_note(n))}</div>" for n in f.notes)
     return "\n".join(parts)
 
 
@@ -247,17 +275,18 @@ class ZeroCalculator(w.VBox):
         self.largest_layer_params = largest_layer_params
         self.controls = {
             "params": w.FloatLogSlider(value=params / 1e9, base=10, min=-2, max=3, step=0.05, readout_format=".3g",
-                                       description="parameters (B)", style=style, continuous_update=False,
+                                       description=label(_("parameters (B)")), style=style, continuous_update=False,
                                        layout=w.Layout(width="420px")),
             "devices": w.Dropdown(options=sorted(set(DEVICE_CHOICES) | {devices}), value=devices,
-                                  description="devices", style=style),
+                                  description=label(_("devices")), style=style),
             "stage": w.ToggleButtons(options=[("0", 0), ("1", 1), ("2", 2), ("3", 3)], value=int(stage),
-                                     description="ZeRO stage", style={**style, "button_width": "48px"},
-                                     tooltips=["plain data parallel", "optimizer states split",
-                                               "+ gradients split", "+ parameters split"]),
-            "precision": w.ToggleButtons(options=["mixed", "fp32"], value=precision, description="precision",
+                                     description=label(_("ZeRO stage")), style={**style, "button_width": "48px"},
+                                     tooltips=[localized(t) for t in (
+                                         _("plain data parallel"), _("optimizer states split"),
+                                         _("+ gradients split"), _("+ parameters split"))]),
+            "precision": w.ToggleButtons(options=["mixed", "fp32"], value=precision, description=label(_("precision")),
                                          style={**style, "button_width": "70px"}),
-            "offload": w.ToggleButtons(options=list(OFFLOADS), value=offload, description="offload to CPU",
+            "offload": w.ToggleButtons(options=list(OFFLOADS), value=offload, description=label(_("offload to CPU")),
                                        style={**style, "button_width": "160px"}),
         }
         for name in ("stage", "precision", "offload"):  # label beside the buttons, right-aligned like the others
@@ -275,20 +304,29 @@ class ZeroCalculator(w.VBox):
         return zero_figures(c["params"].value * 1e9, c["devices"].value, c["stage"].value, c["precision"].value,
                             c["offload"].value, largest_layer_params=self.largest_layer_params)
 
+    def lines(self) -> Lines:
+        """The figures now shown, as :class:`helpers.notebook.i18n.Lines`."""
+        return text_lines(self.figures())
+
     def text(self) -> str:
-        """The figures now shown, as :func:`zero_calculator_text` prints them."""
-        return render_text(self.figures())
+        """The figures now shown, as :func:`zero_calculator_text` prints them (in the kernel's language)."""
+        return str(self.lines())
 
     def _update(self, _change=None) -> None:
         self.result.value = render_html(self.figures())
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
-        data["text/plain"] = self.text()  # what nbval compares and a static render shows, instead of a repr
+        lines = self.lines()
+        data["text/plain"] = lines.render()  # what nbval compares and a static render shows, instead of a repr
+        data[MIME] = lines.to_json()  # so the Chinese edition shows a saved calculator in Chinese
         return data
 
 
 # --------------------------------------------------------------------------------------------- ds_config builder
+
+
+NOT_WRITTEN = _("not written, the config has problems:")
 
 
 class ConfigBuilder(w.VBox):
@@ -310,22 +348,27 @@ class ConfigBuilder(w.VBox):
         self.accelerator = accelerator
         style = {"description_width": "150px"}
         self.controls = {
-            "stage": w.ToggleButtons(options=[0, 1, 2, 3], value=2, description="ZeRO stage", style=style),
-            "dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32", description="precision",
+            "stage": w.ToggleButtons(options=[0, 1, 2, 3], value=2, description=label(_("ZeRO stage")), style=style),
+            "dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32", description=label(_("precision")),
                                      style=style),
-            "micro_batch": w.BoundedIntText(value=32, min=1, max=4096, description="micro batch / rank", style=style),
-            "accumulation": w.BoundedIntText(value=1, min=1, max=1024, description="accumulation steps",
+            "micro_batch": w.BoundedIntText(value=32, min=1, max=4096,
+                                        description=label(_("micro batch / rank")), style=style),
+            "accumulation": w.BoundedIntText(value=1, min=1, max=1024, description=label(_("accumulation steps")),
                                              style=style),
-            "world_size": w.BoundedIntText(value=world_size, min=1, max=4096, description="ranks", style=style),
-            "lr": w.FloatLogSlider(value=1e-3, base=10, min=-6, max=-1, description="learning rate", style=style),
-            "warmup_steps": w.BoundedIntText(value=0, min=0, max=10**6, description="warmup steps", style=style),
-            "clip": w.BoundedFloatText(value=1.0, min=0, max=1e6, description="clip norm (0 = off)", style=style),
+            "world_size": w.BoundedIntText(value=world_size, min=1, max=4096,
+                                        description=label(_("ranks")), style=style),
+            "lr": w.FloatLogSlider(value=1e-3, base=10, min=-6, max=-1,
+                                        description=label(_("learning rate")), style=style),
+            "warmup_steps": w.BoundedIntText(value=0, min=0, max=10**6,
+                                        description=label(_("warmup steps")), style=style),
+            "clip": w.BoundedFloatText(value=1.0, min=0, max=1e6,
+                                        description=label(_("clip norm (0 = off)")), style=style),
             "offload": w.Dropdown(options=[("none", None), ("optimizer", "optimizer"), ("params", "param"),
-                                           ("both", "both")], value=None, description="offload to CPU",
+                                           ("both", "both")], value=None, description=label(_("offload to CPU")),
                                   style=style),
         }
-        self.path = w.Text(value=str(path), description="file", style=style)
-        self.button = w.Button(description="write ds_config", button_style="primary")
+        self.path = w.Text(value=str(path), description=label(_("file")), style=style)
+        self.button = w.Button(description=label(_("write ds_config")), button_style="primary")
         self.result = w.HTML()
         self.result.add_class("ds-config-builder-result")
         for c in self.controls.values():
@@ -353,11 +396,12 @@ class ConfigBuilder(w.VBox):
         import json
         try:
             text = json.dumps(self.config(), indent=2)
-            note = f"<p>written to <code>{html.escape(str(written))}</code></p>" if written else ""
+            note = (f"<p>{html.escape(localized(_('written to {path}', path=str(written))))}</p>"
+                    if written else "")
             self.result.value = f"{note}<pre>{html.escape(text)}</pre>"
         except self._dsconfig.ConfigError as err:
-            items = "".join(f"<li>{html.escape(p)}</li>" for p in err.problems)
-            self.result.value = f"<p><b>not written, the config has problems:</b></p><ul>{items}</ul>"
+            items = "".join(f"<li>{html.escape(message('- ' + p)[2:])}</li>" for p in err.problems)
+            self.result.value = f"<p><b>{html.escape(localized(NOT_WRITTEN))}</b></p><ul>{items}</ul>"
 
     def write(self):
         """Write the config to the chosen file if it is valid; returns the path, or None."""
@@ -369,23 +413,29 @@ class ConfigBuilder(w.VBox):
         self._refresh(written=path)
         return path
 
-    def text(self) -> str:
+    def lines(self) -> Lines:
         """What a saved notebook, nbval and a terminal show: the choices, then the config they make (or its
         problems) -- the same content the live widget renders."""
         import json
         choices = ", ".join(f"{k}={v!r}" for k, v in self.choices().items())
+        rows = [[_("ConfigBuilder for {path}", path=self.path.value)], [_("choices: {choices}", choices=choices)]]
         try:
-            body = json.dumps(self.config(), indent=2)
+            rows += [[row] for row in json.dumps(self.config(), indent=2).split("\n")]
         except self._dsconfig.ConfigError as err:
-            body = "not written, the config has problems:\n" + "\n".join(f"  - {p}" for p in err.problems)
-        return f"ConfigBuilder for {self.path.value}\nchoices: {choices}\n{body}"
+            rows += [[NOT_WRITTEN]] + [["  " + message("- " + p)] for p in err.problems]
+        return Lines(rows)
+
+    def text(self) -> str:
+        return str(self.lines())
 
     def __repr__(self) -> str:
         return self.text()
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
-        data["text/plain"] = self.text()  # in full: ipywidgets cuts a widget's repr at 110 characters
+        lines = self.lines()
+        data["text/plain"] = lines.render()  # in full: ipywidgets cuts a widget's repr at 110 characters
+        data[MIME] = lines.to_json()
         return data
 
 

@@ -32,6 +32,7 @@ from ...calc.throughput import median_spread, window_samples_per_s
 from ...launch import PROJECT_ROOT
 from ...rank import metrics
 from ..checks import claim
+from ..i18n import say
 from ..scripts import COURSE
 
 SCALE_SKIP = 5  # warm-up steps left out of every timing (allocator, DDP's bucket rebuild, lazy initialisation)
@@ -73,9 +74,9 @@ def show_self_relaunch(relaunch) -> None:
     launched = collections.Counter(re.findall(r"\[generation (\d+)[^\]]*\] launching torchrun", relaunch.output))
     capped = len(re.findall(r"\[generation 2[^\]]*\] safety cap reached", relaunch.output))
     for g in sorted(launched):
-        print(f"generation {g}: {launched[g]} process(es), each launched torchrun on the same file")
-    print(f"generation 2: {capped} processes, stopped by the course's cap (without it: 8 in generation 3, 16 in 4, ...)")
-    print(f"{sum(launched.values()) + capped} copies of this file ran, started by {sum(launched.values())} torchrun "
+        say(f"generation {g}: {launched[g]} process(es), each launched torchrun on the same file")
+    say(f"generation 2: {capped} processes, stopped by the course's cap (without it: 8 in generation 3, 16 in 4, ...)")
+    say(f"{sum(launched.values()) + capped} copies of this file ran, started by {sum(launched.values())} torchrun "
           "launches; the whole log is in runs/02_self_relaunch/<run>/output.log")
     claim("main() never ran", "main() ran" not in relaunch.output)
     claim("each copy started 2 more: 1, 2 and 4 processes in generations 0, 1 and 2",

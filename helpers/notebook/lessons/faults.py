@@ -25,6 +25,7 @@ from pathlib import Path
 from ...launch import PROJECT_ROOT
 from ...rank import checkpoint, metrics
 from ..checks import claim
+from ..i18n import say
 
 NPROC = 2  # section 1's and section 3's ranks (section 2: 2 nodes x 1)
 BATCH = 32  # the harness's --batch-size, per rank
@@ -225,9 +226,9 @@ def stacks(message: str) -> list[str]:
 
 
 def show_stacks(err) -> None:
-    """Print the stacks of every rank of a stalled launch, paths tidied."""
+    """Print the stacks of every rank of a stalled launch, paths tidied (headers in the notebook's language)."""
     text = str(err)
-    print(tidy(text[text.find(STACK):text.find("run dir:")]))
+    say(tidy(text[text.find(STACK):text.find("run dir:")]))
 
 
 def claim_hang(err) -> None:
@@ -299,5 +300,5 @@ def claim_port(pinned, unpinned) -> None:
     said = (pinned.stdout + pinned.stderr).lower()
     claim("pinned port -> 'address already in use'", pinned.returncode != 0 and "address already in use" in said)
     claim("the same single-node torchrun without --master-port picks a free port and runs", unpinned.returncode == 0)
-    print("fix: on one node, do not pin the port (plain torchrun, --standalone, or helpers.launch, which picks a free "
+    say("fix: on one node, do not pin the port (plain torchrun, --standalone, or helpers.launch, which picks a free "
           "port every run); across nodes, one port per job (section 2's table)")

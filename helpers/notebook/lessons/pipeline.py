@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from ...calc import parity, pipeline
 from ...rank import metrics
 from ..checks import claim
+from ..i18n import say
 from ..scripts import COURSE
 
 N_LAYER, D_MODEL, SEQ_LEN, BATCH = 12, 128, 256, 8  # 12 blocks: equal stages on 1, 2, 3, 4 ranks
@@ -575,6 +576,6 @@ def claim_refusals() -> None:
         except launch.LaunchError as e:
             found.append((f"{n} ranks, {' '.join(args)}", str(e)))
     for given, message in found:
-        print(f"{given:38s} -> {message}")
+        say(f"{given:38s} -> {message}")
     claim("each bad input is refused before any rank starts, with the value to change",
           all(m != "accepted" and " use " in m for _, m in found))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ...calc import parity, tp
 from ...rank import metrics
 from ..checks import claim
+from ..i18n import say
 from ..scripts import COURSE, script_diff
 
 HEADS, D_MODEL, SEQ_LEN, N_LAYER = 12, 96, 48, 2  # course/gpt_tp.py's defaults: 12 heads split over 1, 2, 3, 4
@@ -279,6 +280,6 @@ def refusals(nproc: int) -> list[tuple[str, str]]:
 def claim_refusals(nproc: int) -> None:
     found = refusals(nproc)
     for given, message in found:
-        print(f"{given:28s} -> {message}")
+        say(f"{given:28s} -> {message}")
     claim("each bad input is refused before any rank starts, with the value to change", all(
         m != "accepted" and " use " in m for _, m in found))
