@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from helpers.notebook.i18n import _
+from helpers.notebook import i18n
 from helpers.notebook.runner import BUILD, syllabus
 
 from browser.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, copy_course, make_notebook
@@ -150,8 +150,9 @@ def _settled_text(locator, differing_from: str, timeout_s: float, quiet_s: float
 
 def _figures(text: str, lang: str = "en") -> tuple[float, float]:
     """(parameters in billions, paper total per device in GB) as the calculator's table shows them in ``lang``."""
-    count, unit = re.search(r"([\d.]+)([BM]) " + re.escape(_("parameters").render(lang)), text).groups()
-    total = re.search(rf"^{re.escape(_('total').render(lang))}\s+([\d.]+)", text, re.M).group(1)
+    params, total = (re.escape(i18n._(label).render(lang)) for label in ("parameters", "total"))
+    count, unit = re.search(rf"([\d.]+)([BM]) {params}", text).groups()
+    total = re.search(rf"^{total}\s+([\d.]+)", text, re.M).group(1)
     return float(count) / (1000 if unit == "M" else 1), float(total)
 
 
@@ -167,7 +168,8 @@ def _drive_calculator(view, page, cells, shot: str, lang: str = "en") -> tuple[f
     before = result.inner_text()
     view.screenshot(SHOTS / f"{shot}-before.png", element=calculator)
 
-    slider = calculator.locator(".widget-slider", has=page.locator("label", has_text=_("parameters (B)").render(lang)))
+    label = i18n._("parameters (B)").render(lang)
+    slider = calculator.locator(".widget-slider", has=page.locator("label", has_text=label))
     slider.locator(".noUi-handle").focus()
     for _ in range(6):  # each step is 0.05 in log10: x1.12 per press, about x2 in all
         page.keyboard.press("ArrowRight")
