@@ -184,3 +184,10 @@ def test_the_catalogue_collects_the_widgets_and_the_verdicts_messages():
     assert found["GPUs visible"].startswith("helpers/notebook/env.py:")
     assert found["GB per device"].startswith("helpers/notebook/widgets.py:")
     assert found["TP degree"].startswith("helpers/notebook/step_calculator.py:")
+
+
+def test_the_modules_examples_hold():
+    import doctest
+
+    failed, attempted = doctest.testmod(i18n)
+    assert attempted >= 5 and failed == 0

@@ -227,7 +227,7 @@ class Lines:
 
         >>> rows = [[Cell(_("total"), 8), Cell("1.9", 6, ">")]]
         >>> Lines(rows).render("en"), Lines(rows).render("zh_CN")
-        ('total      1.9', '总计        1.9')
+        ('total      1.9', '总计       1.9')
     """
 
     def __init__(self, rows):
