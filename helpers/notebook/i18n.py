@@ -195,11 +195,6 @@ def localized(text: str, lang: str | None = None) -> str:
     return text.render(lang) if isinstance(text, Text) else text
 
 
-def label(text: str) -> str:
-    """A widget's label (``description``, a tooltip) in the kernel's language: a widget shows a plain string."""
-    return localized(text)
-
-
 def width(text: str) -> int:
     """The columns ``text`` takes in a terminal or a notebook's monospace output: 2 per wide (CJK) character."""
     return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
@@ -275,13 +270,16 @@ class Lines:
 def message(row: str, lang: str | None = None) -> str:
     """A line a validator or the launcher prints (English, from code below the notebook layer) in ``lang``, from
     ``translations/<lang>/messages.po``'s template of it (numbers put back); as it is where the catalogue lacks it."""
+    lang = normalise(lang) if lang else language()
+    return row if lang == ENGLISH or not row.strip() else localize_row(row, catalogue(lang, MESSAGES_DOMAIN))
+
+
+def localize_row(row: str, table: dict[str, str]) -> str:
+    """``row`` through ``table`` (its template -> the translated template, :func:`helpers.notebook.checks.template`),
+    its numbers put back; as it is where the table lacks it."""
     from . import checks
 
-    lang = normalise(lang) if lang else language()
-    if lang == ENGLISH or not row.strip():
-        return row
     msgid, numbers = checks.template(row)
-    table = catalogue(lang, MESSAGES_DOMAIN)
     return checks.fill(table[msgid], numbers) if msgid in table else row
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import ipywidgets as w
 
 from ..calc import activations
-from .i18n import Cell, Lines, _, label
+from .i18n import Cell, Lines, _, localized
 from .widgets import ZeroCalculator, ZeroFigures, render_html, text_lines
 
 MIB = 2 ** 20
@@ -36,17 +36,14 @@ class StepFigures:
     activations: dict  # helpers.calc.activations.model_terms: layers, head, total (bytes per device)
     step: dict  # helpers.calc.activations.step_memory_bytes: a TP rank's model states, activations, total
 
-    def lines(self) -> list[str]:
-        a = self.activations
-        return [_("activations per device: checkpoint={checkpoint}, TP degree {tp}, sequence parallel {sp}",
-                  checkpoint=self.checkpoint, tp=self.tp, sp=_("on") if self.sp else _("off")),
-                *(Lines([[Cell(label, 18), Cell(f"{a[key] / MIB:.2f}", 12, ">"), " MiB"]]) for key, label in
-                  (("layers", _("layers")), ("head", _("head and inputs")), ("total", _("total")))),
-                _("model states (1/{tp} of the parameters) + activations: {mib:.2f} MiB", tp=self.tp,
-                  mib=self.step["total"] / MIB)]
-
     def activation_lines(self) -> Lines:
-        return Lines([row for line in self.lines() for row in (line.rows if isinstance(line, Lines) else [[line]])])
+        a = self.activations
+        return Lines([[_("activations per device: checkpoint={checkpoint}, TP degree {tp}, sequence parallel {sp}",
+                         checkpoint=self.checkpoint, tp=self.tp, sp=_("on") if self.sp else _("off"))],
+                      *([Cell(label, 18), Cell(f"{a[key] / MIB:.2f}", 12, ">"), " MiB"] for key, label in
+                        (("layers", _("layers")), ("head", _("head and inputs")), ("total", _("total")))),
+                      [_("model states (1/{tp} of the parameters) + activations: {mib:.2f} MiB", tp=self.tp,
+                         mib=self.step["total"] / MIB)]])
 
     def text_lines(self) -> Lines:
         return text_lines(self.zero) + self.activation_lines()
@@ -70,9 +67,10 @@ class StepMemoryCalculator(ZeroCalculator):
         self.gpt = dict(gpt)
         style = {"description_width": "110px"}
         self.extra = {"checkpoint": w.ToggleButtons(options=list(activations.CHECKPOINTS), value=checkpoint,
-                                                    description=label(_("checkpointing")), style=style),
-                      "tp": w.Dropdown(options=TP_CHOICES, value=tp, description=label(_("TP degree")), style=style),
-                      "sp": w.Checkbox(value=sp, description=label(_("sequence parallel")), style=style)}
+                                                    description=localized(_("checkpointing")), style=style),
+                      "tp": w.Dropdown(options=TP_CHOICES, value=tp, description=localized(_("TP degree")),
+                                       style=style),
+                      "sp": w.Checkbox(value=sp, description=localized(_("sequence parallel")), style=style)}
         super().__init__(params, devices, stage, precision, "none")
         self.controls["params"].min = -6  # a course GPT has ~0.1M parameters; notebook 03's slider starts at 10M
         self.controls["params"].value = params / 1e9

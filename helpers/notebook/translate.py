@@ -100,12 +100,12 @@ def exercise_sources(folder: Path = EXERCISES, also: tuple[Path, ...] = MARKED) 
 
 
 def saved_lines(nb):
-    """(cell id, :class:`helpers.notebook.i18n.Lines`) of every saved ``lines`` output (a table, a calculator)."""
-    for index, cell in enumerate(nb.cells):
+    """The :class:`helpers.notebook.i18n.Lines` of every saved ``lines`` output (a table, a calculator)."""
+    for cell in nb.cells:
         for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
             saved = out.get("data", {}).get(i18n.MIME)
             if saved and saved.get("kind") == "lines":
-                yield cell.get("id", index), i18n.Lines.from_json(saved)
+                yield i18n.Lines.from_json(saved)
 
 
 def _printed(notebooks: dict[str, object], tag: str | None = None):
@@ -149,15 +149,8 @@ def message_sources(notebooks: dict[str, object]) -> list[Source]:
 def localize_messages(text: str, table: dict[str, str]) -> str:
     """A ``zh-messages`` cell's printed text with each message line in Chinese (its numbers put back); a line the
     table lacks stays English."""
-    from . import checks
-
-    rows = []
-    for row in text.split("\n"):
-        if is_message_line(row):
-            msgid, numbers = checks.template(row)
-            row = checks.fill(table[msgid], numbers) if msgid in table else row  # build_notebook decides if allowed
-        rows.append(row)
-    return "\n".join(rows)
+    # a line the table lacks: build_notebook decides whether that is allowed
+    return "\n".join(i18n.localize_row(row, table) if is_message_line(row) else row for row in text.split("\n"))
 
 
 def _new_catalogue():
@@ -245,19 +238,15 @@ def build_notebook(english, po, english_file: str, *, strict: bool = True):
     missing = needs_work(po)
     if missing:
         raise Untranslated(Path(po.fpath or english_file), missing)
-    for domain, sources in ((i18n.CHECKS_DOMAIN, check_sources), (i18n.MESSAGES_DOMAIN, message_sources)):
-        unknown = {s.msgid for s in sources({english_file: english})} - set(i18n.catalogue(LANG, domain)) \
-            if strict else set()
+    needed = {i18n.CHECKS_DOMAIN: {s.msgid for s in check_sources({english_file: english})},
+              i18n.MESSAGES_DOMAIN: {s.msgid for s in message_sources({english_file: english})},
+              i18n.EXERCISES_DOMAIN: {m for lines in saved_lines(english) for m in lines.msgids()}} if strict else {}
+    for domain, msgids in needed.items():
+        unknown = msgids - set(i18n.catalogue(LANG, domain))
         if unknown:
             import polib
 
             raise Untranslated(catalogue_path(domain), [polib.POEntry(msgid=m) for m in sorted(unknown)])
-    unknown = {m for _, lines in saved_lines(english) for m in lines.msgids()} - set(i18n.catalogue(LANG)) \
-        if strict else set()
-    if unknown:
-        import polib
-
-        raise Untranslated(catalogue_path(i18n.EXERCISES_DOMAIN), [polib.POEntry(msgid=m) for m in sorted(unknown)])
     messages = i18n.catalogue(LANG, i18n.MESSAGES_DOMAIN)
     nb = copy.deepcopy(english)
     for cell in nb.cells:

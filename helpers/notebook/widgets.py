@@ -20,7 +20,7 @@ import ipywidgets as w
 
 from ..calc import memory
 from ..rank.deepspeed_facts import deepspeed_estimate
-from .i18n import MIME, Cell, Lines, _, label, localized, message
+from .i18n import MIME, Cell, Lines, _, localized, message
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 DEVICE_CHOICES = tuple(2 ** i for i in range(11))  # 1 .. 1024
@@ -275,18 +275,20 @@ class ZeroCalculator(w.VBox):
         self.largest_layer_params = largest_layer_params
         self.controls = {
             "params": w.FloatLogSlider(value=params / 1e9, base=10, min=-2, max=3, step=0.05, readout_format=".3g",
-                                       description=label(_("parameters (B)")), style=style, continuous_update=False,
-                                       layout=w.Layout(width="420px")),
+                                       description=localized(_("parameters (B)")), style=style,
+                                       continuous_update=False, layout=w.Layout(width="420px")),
             "devices": w.Dropdown(options=sorted(set(DEVICE_CHOICES) | {devices}), value=devices,
-                                  description=label(_("devices")), style=style),
+                                  description=localized(_("devices")), style=style),
             "stage": w.ToggleButtons(options=[("0", 0), ("1", 1), ("2", 2), ("3", 3)], value=int(stage),
-                                     description=label(_("ZeRO stage")), style={**style, "button_width": "48px"},
+                                     description=localized(_("ZeRO stage")), style={**style, "button_width": "48px"},
                                      tooltips=[localized(t) for t in (
                                          _("plain data parallel"), _("optimizer states split"),
                                          _("+ gradients split"), _("+ parameters split"))]),
-            "precision": w.ToggleButtons(options=["mixed", "fp32"], value=precision, description=label(_("precision")),
+            "precision": w.ToggleButtons(options=["mixed", "fp32"], value=precision,
+                                         description=localized(_("precision")),
                                          style={**style, "button_width": "70px"}),
-            "offload": w.ToggleButtons(options=list(OFFLOADS), value=offload, description=label(_("offload to CPU")),
+            "offload": w.ToggleButtons(options=list(OFFLOADS), value=offload,
+                                       description=localized(_("offload to CPU")),
                                        style={**style, "button_width": "160px"}),
         }
         for name in ("stage", "precision", "offload"):  # label beside the buttons, right-aligned like the others
@@ -348,27 +350,28 @@ class ConfigBuilder(w.VBox):
         self.accelerator = accelerator
         style = {"description_width": "150px"}
         self.controls = {
-            "stage": w.ToggleButtons(options=[0, 1, 2, 3], value=2, description=label(_("ZeRO stage")), style=style),
-            "dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32", description=label(_("precision")),
+            "stage": w.ToggleButtons(options=[0, 1, 2, 3], value=2, description=localized(_("ZeRO stage")),
                                      style=style),
+            "dtype": w.ToggleButtons(options=["fp32", "bf16", "fp16"], value="fp32",
+                                     description=localized(_("precision")), style=style),
             "micro_batch": w.BoundedIntText(value=32, min=1, max=4096,
-                                        description=label(_("micro batch / rank")), style=style),
-            "accumulation": w.BoundedIntText(value=1, min=1, max=1024, description=label(_("accumulation steps")),
+                                        description=localized(_("micro batch / rank")), style=style),
+            "accumulation": w.BoundedIntText(value=1, min=1, max=1024, description=localized(_("accumulation steps")),
                                              style=style),
             "world_size": w.BoundedIntText(value=world_size, min=1, max=4096,
-                                        description=label(_("ranks")), style=style),
+                                        description=localized(_("ranks")), style=style),
             "lr": w.FloatLogSlider(value=1e-3, base=10, min=-6, max=-1,
-                                        description=label(_("learning rate")), style=style),
+                                        description=localized(_("learning rate")), style=style),
             "warmup_steps": w.BoundedIntText(value=0, min=0, max=10**6,
-                                        description=label(_("warmup steps")), style=style),
+                                        description=localized(_("warmup steps")), style=style),
             "clip": w.BoundedFloatText(value=1.0, min=0, max=1e6,
-                                        description=label(_("clip norm (0 = off)")), style=style),
+                                        description=localized(_("clip norm (0 = off)")), style=style),
             "offload": w.Dropdown(options=[("none", None), ("optimizer", "optimizer"), ("params", "param"),
-                                           ("both", "both")], value=None, description=label(_("offload to CPU")),
+                                           ("both", "both")], value=None, description=localized(_("offload to CPU")),
                                   style=style),
         }
-        self.path = w.Text(value=str(path), description=label(_("file")), style=style)
-        self.button = w.Button(description=label(_("write ds_config")), button_style="primary")
+        self.path = w.Text(value=str(path), description=localized(_("file")), style=style)
+        self.button = w.Button(description=localized(_("write ds_config")), button_style="primary")
         self.result = w.HTML()
         self.result.add_class("ds-config-builder-result")
         for c in self.controls.values():
