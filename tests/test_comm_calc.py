@@ -30,3 +30,23 @@ def test_what_cannot_be_fitted_is_refused():
         comm.fit_alpha_beta([1024], [1e-4])
     with pytest.raises(ValueError, match="two different sizes"):
         comm.fit_alpha_beta([1024, 1024], [1e-4, 2e-4])
+
+
+def test_each_size_range_is_priced_by_its_own_line():
+    sizes, seconds = [1e6, 2e6, 4e6], [1e-3, 2e-3, 6e-3]  # 1 GB/s up to 2 MB, then 0.5 GB/s: a cache outgrown
+    assert [comm.local_seconds(sizes, seconds, s) for s in sizes] == pytest.approx(seconds)  # through each point
+    assert comm.local_seconds(sizes, seconds, 1.5e6) == pytest.approx(1.5e-3)
+    assert comm.local_seconds(sizes, seconds, 3e6) == pytest.approx(4e-3)
+    assert comm.local_seconds(sizes, seconds, 8e6) == pytest.approx(14e-3)  # beyond: the last range's line
+    assert comm.local_seconds(sizes, seconds, 0.5e6) == pytest.approx(0.5e-3)  # below: the first range's line
+    assert comm.local_seconds([4e6, 1e6, 2e6], [6e-3, 1e-3, 2e-3], 3e6) == pytest.approx(4e-3)  # any order
+    assert comm.local_seconds([1e6, 2e6], [1e-3, 3e-3], 1e3) == 0.0  # a line below zero is no time, not negative
+    one_line = comm.fit_alpha_beta(sizes, seconds)
+    assert max(abs(r) for r in one_line["residuals"]) > 0.1  # what one line misses on the same points
+    fits = {"all_reduce": dict(one_line, sizes=sizes, seconds=seconds)}
+    assert comm.predict_calls(fits, [("all_reduce", 3e6)] * 2, local=True) == pytest.approx(8e-3)
+    assert comm.predict_calls(fits, [("all_reduce", 3e6)]) == pytest.approx(comm.predict_seconds(one_line, 3e6))
+    with pytest.raises(ValueError, match="two or more different sizes"):
+        comm.local_seconds([1e6, 1e6], [1e-3, 2e-3], 1e6)
+    with pytest.raises(KeyError, match="all_gather"):
+        comm.predict_calls(fits, [("all_gather", 1e6)], local=True)

@@ -85,10 +85,31 @@ def predict_seconds(fit: dict, message_bytes: float, count: int = 1) -> float:
     return count * (fit["alpha"] + fit["beta"] * message_bytes)
 
 
-def predict_calls(fits: dict, calls: list[tuple[str, float]]) -> float:
+def local_seconds(sizes: list[float], seconds: list[float], message_bytes: float) -> float:
+    """One collective of ``message_bytes`` priced from a sweep by the line through the two measured sizes around it:
+    an alpha-beta model per size range (beyond the sweep, its nearest range's line, never below zero). On a CPU
+    the cost per byte grows once a message outgrows a cache, so one line from 32 KiB to 32 MiB misprices one end
+    or the other; each range's line passes through its own two measurements.
+
+    >>> local_seconds([1e6, 2e6, 4e6], [1e-3, 2e-3, 6e-3], 3e6)  # half-way between 2e-3 and 6e-3
+    0.004
+    """
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError(f"need two or more different sizes with a time each, got {len(sizes)} sizes and "
+                         f"{len(seconds)} times")
+    points = sorted(zip(sizes, seconds))
+    k = next((i for i in range(1, len(points) - 1) if message_bytes <= points[i][0]), len(points) - 1)
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return max(0.0, y0 + (y1 - y0) * (message_bytes - x0) / (x1 - x0))
+
+
+def predict_calls(fits: dict, calls: list[tuple[str, float]], local: bool = False) -> float:
     """Seconds for a list of ``(collective, message bytes)`` calls, each by its collective's
-    :func:`fit_alpha_beta` model in ``fits`` (a KeyError names a collective with no model)."""
+    :func:`fit_alpha_beta` model in ``fits``, or with ``local`` by :func:`local_seconds` on the ``sizes`` and
+    ``seconds`` the fit was made from (a KeyError names a collective with no model)."""
     missing = sorted({op for op, _ in calls} - set(fits))
     if missing:
         raise KeyError(f"no alpha-beta model for {', '.join(missing)}: sweep it first (course/collective_sweep.py)")
+    if local:
+        return sum(local_seconds(fits[op]["sizes"], fits[op]["seconds"], size) for op, size in calls)
     return sum(predict_seconds(fits[op], size) for op, size in calls)

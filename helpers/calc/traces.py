@@ -147,12 +147,9 @@ def step_split(all_spans: Sequence[Mapping]) -> dict[int, list[dict]]:
     return out
 
 
-def collective_costs(all_spans: Sequence[Mapping]) -> list[dict]:
-    """Per profiled step (in order), each collective's own cost: the k-th communication span of the step on every
-    rank is the same collective (every rank calls the same ones in the same order), and the shortest of its spans
-    over the ranks is its cost, since the others include waiting for the last rank to arrive. Returns one row per
-    step: ``seconds`` (the costs added up), ``calls`` (how many collectives) and ``names`` (their span names).
-    Steps the ranks disagree on (a different number of collectives) raise a ValueError."""
+def _calls_per_step(all_spans: Sequence[Mapping]) -> dict[int, list[list[dict]]]:
+    """{rank: [[the communication spans that start inside its k-th profiled step, in order], ...]}, refusing ranks
+    whose steps hold different numbers of collectives (a ValueError)."""
     per_rank: dict[int, list[list[dict]]] = {}
     for rank, mine in by_rank(all_spans).items():
         comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])
@@ -161,12 +158,34 @@ def collective_costs(all_spans: Sequence[Mapping]) -> list[dict]:
     counts = {rank: [len(step) for step in steps] for rank, steps in per_rank.items()}
     if len({tuple(c) for c in counts.values()}) > 1:
         raise ValueError(f"the ranks' profiled steps hold different numbers of collectives: {counts}")
+    return per_rank
+
+
+def collective_costs(all_spans: Sequence[Mapping]) -> list[dict]:
+    """Per profiled step (in order), each collective's own cost: the k-th communication span of the step on every
+    rank is the same collective (every rank calls the same ones in the same order), and the shortest of its spans
+    over the ranks is its cost, since the others include waiting for the last rank to arrive. Returns one row per
+    step: ``seconds`` (the costs added up), ``calls`` (how many collectives) and ``names`` (their span names).
+    Steps the ranks disagree on (a different number of collectives) raise a ValueError."""
+    per_rank = _calls_per_step(all_spans)
     rows = []
     for k in range(len(next(iter(per_rank.values()), []))):
         calls = list(zip(*(steps[k] for steps in per_rank.values())))
         rows.append(dict(seconds=sum(min(s["t1"] - s["t0"] for s in call) for call in calls) / 1e6,
                          calls=len(calls), names=[call[0]["name"] for call in calls]))
     return rows
+
+
+def fastest_costs(all_spans: Sequence[Mapping]) -> list[float]:
+    """The cost of each collective of a step, read as a sweep reads a size's calls: the k-th collective of every
+    profiled step on every rank is the same call repeated, and its fastest instance (seconds) is its cost. A
+    rank's lateness, a busy core or a late wake-up only ever add time. Steps that hold different numbers of
+    collectives, on one rank or across ranks, raise a ValueError (there is no k-th call to compare)."""
+    per_rank = _calls_per_step(all_spans)
+    steps = [step for rank_steps in per_rank.values() for step in rank_steps]
+    if len({len(step) for step in steps}) > 1:
+        raise ValueError(f"the profiled steps hold different numbers of collectives: {sorted({len(s) for s in steps})}")
+    return [min(step[k]["t1"] - step[k]["t0"] for step in steps) / 1e6 for k in range(len(steps[0]) if steps else 0)]
 
 
 def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[float]]:
