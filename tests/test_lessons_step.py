@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from helpers.calc import comm
 from helpers.calc import traces as calc
 from helpers.notebook import checks
 from helpers.notebook import traces as nb_traces
@@ -139,6 +140,56 @@ def tp_run(tmp_path, name: str, waits: int) -> FakeRun:
                         tp_comm_calls={"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}))
 
 
+def zero3_runs(tmp_path, *, off_at: float = 250.0, nopf_at: float = 610.0, off_gathers: int = 1,
+               nproc: int = 2) -> dict:
+    """ZeRO-3's three runs as ddp_step draws them: the defaults gather during the compute, overlap_comm off from
+    ``off_at`` (during it too), without prefetch from ``nopf_at`` (after it); ``off_gathers`` all-gathers a step in
+    the overlap_comm-off run."""
+    def steps(comm_at, calls=1):
+        return {r: [dict(e, name="gloo:all_gather") if e["name"] == "gloo:all_reduce" else e
+                    for e in ddp_step(0, comm_at, 100, calls=calls) + ddp_step(2000, comm_at, 100, calls=calls)]
+                for r in range(nproc)}
+
+    res = dict(world_size=nproc, framework="deepspeed", zero_stage=3)
+    return {"zero3": FakeRun(tmp_path, "z", steps(250), res),
+            "no-overlap-comm": FakeRun(tmp_path, "zo", steps(off_at, off_gathers), res),
+            "no-prefetch": FakeRun(tmp_path, "zp", steps(nopf_at), res)}
+
+
+def test_zero3_knob_claims_hold_and_fail_when_their_fault_is_injected(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 2)
+    (tmp_path / "ddp").mkdir()
+    ddp = ddp_runs(tmp_path / "ddp")
+    lesson.claim_zero3_knobs(zero3_runs(tmp_path), ddp, cfg)
+    assert list(verdicts(capsys).values()) == [True, True]
+    (tmp_path / "a").mkdir()
+    lesson.claim_zero3_knobs(zero3_runs(tmp_path / "a", nopf_at=250), ddp, cfg)  # the fault: no-prefetch overlaps
+    assert list(verdicts(capsys).values())[0] is False
+    (tmp_path / "b").mkdir()
+    lesson.claim_zero3_knobs(zero3_runs(tmp_path / "b", off_gathers=2), ddp, cfg)  # the fault: overlap_comm moved
+    assert list(verdicts(capsys).values()) == [True, False]
+    (tmp_path / "c").mkdir()
+    lesson.claim_zero3_knobs(zero3_runs(tmp_path / "c", off_at=610), ddp, cfg)  # the fault: overlap_comm off waits
+    assert list(verdicts(capsys).values()) == [True, False]
+    lesson.claim_zero3_knobs({}, {}, lesson.resolve("smoke", 2, 1))
+    assert "NPROC=1" in capsys.readouterr().out
+
+
+def test_zero3_configs_are_notebook_03s_at_stage_3_with_one_knob_off():
+    base = json.loads(lesson.DS_CONFIG.read_text())
+    assert lesson.zero3_config("zero3")["zero_optimization"] == dict(base["zero_optimization"], stage=3)
+    assert lesson.zero3_config("no-prefetch")["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert lesson.zero3_config("no-overlap-comm")["zero_optimization"]["overlap_comm"] is False
+    assert lesson.zero3_config("zero3")["optimizer"] == base["optimizer"]
+    with pytest.raises(ValueError, match="one of"):
+        lesson.zero3_config("zero-3")
+
+
+def test_zero3_defaults_are_read_from_deepspeeds_config_model():
+    line = lesson.zero3_defaults()
+    assert "overlap_comm=True" in line and "stage3_prefetch_bucket_size=50,000,000" in line
+
+
 def test_tp_claims_count_the_all_reduces_and_their_waits(tmp_path, capsys):
     cfg = lesson.resolve("smoke", 2, 2)
     lesson.claim_tp(tp_run(tmp_path, "tp", waits=8), cfg)
@@ -157,6 +208,30 @@ def test_the_byte_formulas_list_each_configurations_collectives(tmp_path):
     assert comm_model.calls_of(tp_run(tmp_path, "tp", 8)) == [("all_reduce", 8 * 48 * 96 * 4)] * 8
     runs["buckets"].result["world_size"] = 1
     assert comm_model.calls_of(runs["buckets"]) == []
+
+
+def test_zero_1_and_2_are_priced_from_the_parameters_and_the_ds_config_they_ran(tmp_path):
+    def ds_run(name, stage, nproc=2, config=None, **result):
+        run = FakeRun(tmp_path, name, {}, dict(framework="deepspeed", zero_stage=stage, world_size=nproc,
+                                               params=1000, dtype="fp32") | result)
+        if config is not None:
+            (run.run_dir / "deepspeed_config.json").write_text(json.dumps(config))
+        return run
+
+    clipped = lesson.zero_config(2)
+    assert clipped["gradient_clipping"] > 0  # notebook 03's ds_config clips: one all-reduce of the norm
+    assert comm_model.calls_of(ds_run("z1", 1, config=clipped)) == [("all_reduce", 4000), ("all_reduce", 4),
+                                                                     ("all_gather", 2000)]
+    unclipped = dict(clipped, gradient_clipping=0.0)
+    assert comm_model.calls_of(ds_run("z2", 2, nproc=4, config=unclipped)) == [("all_reduce", 4000),
+                                                                                ("all_gather", 1000)]
+    assert comm_model.calls_of(ds_run("one", 2, nproc=1, config=clipped)) == []
+    for name, stage, config, result, match in (("z3", 3, clipped, {}, "ZeRO-3 is not priced"),
+                                               ("bf", 2, clipped, dict(dtype="bf16"), "fp32 only"),
+                                               ("path", 2, None, {}, "as a dict")):
+        with pytest.raises(ValueError, match=match):
+            comm_model.calls_of(ds_run(name, stage, config=config, **result))
+    assert lesson.zero_config(1, overlap_comm=True)["zero_optimization"] == dict(stage=1, overlap_comm=True)
 
 
 def sweep_run(tmp_path, rs_name: str = "gloo:all_reduce") -> FakeRun:
@@ -188,6 +263,21 @@ def test_the_model_is_fitted_from_the_sweeps_spans_and_claimed_as_a_floor(tmp_pa
     assert list(verdicts(capsys).values()) == [True, True, True]
     comm_model.claim_model(model, [dict(one[0], measured=2e-3)], sweep)
     assert list(verdicts(capsys).values())[-1] is False
+
+
+def test_the_sweep_is_read_in_blocks_of_the_profiled_steps(tmp_path):
+    events = []
+    for k, dur in enumerate((30.0, 10.0, 50.0, 40.0, 20.0, 90.0, 60.0)):  # one size's calls, in order
+        events += [event(f"sweep all_reduce {2 ** 21}", 1000 * k, dur + 20), event("gloo:all_reduce", 1000 * k + 10,
+                                                                                   dur, tid=2)]
+    run = FakeRun(tmp_path, "blocks", {0: events, 1: events}, {})
+    assert comm_model.costs(run)["all_reduce"][2 ** 21] == pytest.approx(10e-6)  # the fastest of all 7
+    # blocks of 3: (30, 10, 50) and (40, 20, 90); the seventh call fills no block
+    assert comm_model.costs(run, block=3)["all_reduce"][2 ** 21] == pytest.approx(15e-6)
+    assert comm_model.costs(run, block=1)["all_reduce"][2 ** 21] == pytest.approx(300e-6 / 7)  # every call's mean
+    assert comm_model.costs(run, block=9)["all_reduce"][2 ** 21] == pytest.approx(10e-6)  # fewer calls than a block
+    with pytest.raises(ValueError, match="block"):
+        comm_model.costs(run, block=0)
 
 
 def test_nearer_decides_between_two_outcomes():
@@ -238,6 +328,36 @@ def test_collective_costs_match_the_kth_collective_and_refuse_disagreeing_ranks(
     assert rows == [dict(seconds=pytest.approx(30e-6), calls=2, names=["gloo:all_reduce"] * 2)]
     with pytest.raises(ValueError, match="different numbers"):
         calc.collective_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20])}))
+
+
+def test_fastest_costs_read_each_collective_as_a_sweep_reads_a_size():
+    def rank(*steps):  # each step 1000 us, its all-reduces 100 us apart
+        events = []
+        for i, durs in enumerate(steps):
+            events.append(event(f"ProfilerStep#{i}", 1000 * i, 1000, cat="user_annotation"))
+            events += [event("gloo:all_reduce", 1000 * i + 100 * k, d, tid=2) for k, d in enumerate(durs)]
+        return {"traceEvents": events}
+
+    spans = calc.spans_of({0: rank([50, 10], [40, 70]), 1: rank([20, 30], [60, 25])})
+    assert calc.fastest_costs(spans) == [pytest.approx(20e-6), pytest.approx(10e-6)]  # over both steps and ranks
+    with pytest.raises(ValueError, match="different numbers"):
+        calc.fastest_costs(calc.spans_of({0: rank([50, 10], [40]), 1: rank([20, 30], [60])}))
+    with pytest.raises(ValueError, match="different numbers"):
+        calc.fastest_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20])}))
+    assert calc.fastest_costs(calc.spans_of({0: rank([], [])})) == []
+
+
+def test_the_residual_table_prices_by_range_and_reads_the_fastest_instances(tmp_path, capsys):
+    model = comm_model.fits(sweep_run(tmp_path))
+    runs = ddp_runs(tmp_path)
+    table = {t["config"]: t for t in comm_model.show_residuals(model, runs)}
+    out = capsys.readouterr().out
+    assert "per range ms" in out and "traced/range" in out
+    calls = comm_model.calls_of(runs["buckets"])
+    assert table["buckets"]["predicted"] == pytest.approx(comm.predict_calls(model, calls, local=True))
+    assert table["buckets"]["line"] == pytest.approx(comm.predict_calls(model, calls))
+    assert table["buckets"]["measured"] == pytest.approx(sum(calc.fastest_costs(nb_traces.spans(runs["buckets"]))))
+    assert table["buckets"]["ratio"] == pytest.approx(table["buckets"]["measured"] / table["buckets"]["predicted"])
 
 
 # --- real runs ------------------------------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ sets the prediction beside the trace (:func:`helpers.calc.traces.collective_cost
 
 Example (notebook cells)::
 
-    sweep = launch.torchrun("course/collective_sweep.py", nproc=n, args=["--trace"])
-    model = model_lesson.show_fits(sweep)
+    sweep = launch.torchrun("course/collective_sweep.py", nproc=n, args=["--trace", "--factor", 2, "--iters", 20])
+    model = model_lesson.show_fits(sweep, block=5)   # read as 5 profiled steps are
     table = model_lesson.show_residuals(model, runs | {"tp": tp})
     model_lesson.claim_model(model, table, sweep)
 """
 from __future__ import annotations
 
+import json
 import statistics
 from collections import Counter
 
@@ -32,30 +33,40 @@ RING_RS = 0.5   # on a ring, a reduce-scatter of S bytes sends half an all-reduc
 LARGE = 2 ** 20  # from this message size up, bandwidth dominates the latency (alpha is about 0.2 ms here)
 
 
-def costs(sweep) -> dict[str, dict[int, float]]:
-    """{collective: {message bytes: the fastest of its calls, seconds}} from the sweep's traces: a busy core, a late
-    wake-up, a page fault only ever add time, so the fastest call is the collective's own cost (the median moved
-    by 2x between two runs on this machine; the fastest stays put)."""
+def costs(sweep, block: int | None = None) -> dict[str, dict[int, float]]:
+    """{collective: {message bytes: its cost, seconds}} from the sweep's traces. A busy core, a late wake-up, a page
+    fault only ever add time, so a size's cost is its fastest call (the median moved by 2x between two runs on this
+    machine). With ``block``, read as a training trace is read (:func:`helpers.calc.traces.fastest_costs` takes
+    each collective's fastest of ``block`` profiled steps): the fastest of every ``block`` consecutive calls,
+    averaged over the blocks. The fastest of 20 calls is lower than the fastest of 5; compared with 5 profiled
+    steps, it would make every step look slow."""
+    if block is not None and block < 1:
+        raise ValueError(f"block={block!r}: the number of profiled steps, 1 or more")
     out: dict[str, dict[int, float]] = {}
     for label, calls in calc.labelled_costs(traces.spans(sweep), LABEL).items():
         _, op, size = label.split()
-        out.setdefault(op, {})[int(size)] = min(calls)
+        if block is None or len(calls) < block:
+            out.setdefault(op, {})[int(size)] = min(calls)
+        else:
+            blocks = [calls[i:i + block] for i in range(0, len(calls) - block + 1, block)]
+            out.setdefault(op, {})[int(size)] = statistics.mean(min(b) for b in blocks)
     return out
 
 
-def fits(sweep) -> dict[str, dict]:
-    """{collective: :func:`helpers.calc.comm.fit_alpha_beta` of its sweep} (and ``sizes``, ``seconds``)."""
+def fits(sweep, block: int | None = None) -> dict[str, dict]:
+    """{collective: :func:`helpers.calc.comm.fit_alpha_beta` of its sweep} (and ``sizes``, ``seconds``), the costs
+    read by :func:`costs` (``block``: the profiled steps the predictions will be compared with)."""
     out = {}
-    for op, by_size in costs(sweep).items():
+    for op, by_size in costs(sweep, block).items():
         sizes = sorted(by_size)
         out[op] = dict(comm.fit_alpha_beta(sizes, [by_size[s] for s in sizes]), sizes=sizes,
                        seconds=[by_size[s] for s in sizes])
     return out
 
 
-def show_fits(sweep) -> dict[str, dict]:
+def show_fits(sweep, block: int | None = None) -> dict[str, dict]:
     """The fitted latency and bandwidth per collective and the worst residual of the fit: timings, not compared."""
-    model = fits(sweep)
+    model = fits(sweep, block)
     print(f"{'collective':<15} {'alpha (us)':>10} {'bandwidth (GB/s)':>17} {'worst residual':>15}")
     for op, f in model.items():
         worst = max(f["residuals"], key=abs)
@@ -89,7 +100,9 @@ def calls_of(run) -> list[tuple[str, float]]:
     r = run.result
     n = r["world_size"]
     if n == 1:
-        return []  # one rank: DDP, FSDP2 and TP call no collective
+        return []  # one rank: DDP, FSDP2, TP and ZeRO call no collective
+    if r.get("framework") == "deepspeed":
+        return deepspeed_calls(run)
     if r.get("framework") == "tp":
         g = r["gpt"]
         calls = sum(sum(phase.values()) for phase in r["tp_comm_calls"].values())
@@ -103,18 +116,44 @@ def calls_of(run) -> list[tuple[str, float]]:
     return [("all_reduce", b) for b in r["ddp_buckets"]]
 
 
+def deepspeed_calls(run) -> list[tuple[str, float]]:
+    """DeepSpeed ZeRO-1 and ZeRO-2's collectives per step, fp32, read off a profiled run with record_shapes (these
+    runs' CNN of P parameters, its reduce bucket larger than the model): one all-reduce of the whole gradient (P
+    values: gloo has no reduce-scatter, so the gradient is reduced whole and each rank keeps its partition), one
+    of the gradient norm (a single value) when the ds_config clips gradients, and one all-gather of the updated
+    partitions (P / N values each). ZeRO-3 gathers parameters in groups it chooses as it runs, whose sizes the
+    trace does not keep: it is not priced (a ValueError)."""
+    r = run.result
+    stage, n, params = r["zero_stage"], r["world_size"], r["params"]
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO-{stage} is not priced: only ZeRO-1 and ZeRO-2's collectives follow from the formulas")
+    if r.get("dtype", "fp32") != "fp32":
+        raise ValueError(f"priced in fp32 only, this run trained in {r['dtype']}")
+    config_file = run.run_dir / "deepspeed_config.json"
+    if not config_file.exists():
+        raise ValueError(f"{run.run_dir}: no deepspeed_config.json; launch with the ds_config as a dict, which the "
+                         "launcher keeps in the run directory")
+    clipping = json.loads(config_file.read_text()).get("gradient_clipping", 0) or 0
+    return ([("all_reduce", params * 4)] + [("all_reduce", 4)] * (clipping > 0) +
+            [("all_gather", params * 4 / n)])
+
+
 def residuals(model: dict, runs: dict) -> list[dict]:
-    """Per run: the predicted and the traced communication per step (median over the profiled steps), their ratio,
-    how much of it compute hid, and the run's own step-to-step jitter (slowest profiled step minus fastest)."""
+    """Per run: its collectives priced by the fitted line (``line``) and by each size range's own line (``predicted``,
+    :func:`helpers.calc.comm.local_seconds`), beside what the trace timed (``measured``: each collective's fastest
+    instance over the profiled steps and ranks, :func:`helpers.calc.traces.fastest_costs`, the sweep's own reading
+    of a size's calls), their ratio, how much of the communication compute hid, and the run's step-to-step jitter
+    (slowest profiled step minus fastest)."""
     out = []
     for label, run in runs.items():
         calls = calls_of(run)
-        predicted = comm.predict_calls(model, calls) if calls else 0.0
-        measured = statistics.median(c["seconds"] for c in calc.collective_costs(traces.spans(run)))
+        line = comm.predict_calls(model, calls) if calls else 0.0
+        predicted = comm.predict_calls(model, calls, local=True) if calls else 0.0
+        measured = sum(calc.fastest_costs(traces.spans(run)))
         steps = rows(run)
         hidden = [r["hidden"] for r in steps if r["hidden"] is not None]
         spans = [r["span"] for r in steps]
-        out.append(dict(config=label, calls=len(calls), predicted=predicted, measured=measured,
+        out.append(dict(config=label, calls=len(calls), line=line, predicted=predicted, measured=measured,
                         ratio=measured / predicted if predicted else None,
                         hidden=statistics.median(hidden) if hidden else None,
                         jitter=max(spans) - min(spans)))
@@ -124,14 +163,15 @@ def residuals(model: dict, runs: dict) -> list[dict]:
 def show_residuals(model: dict, runs: dict) -> list[dict]:
     """The residual table: timings, not compared."""
     table = residuals(model, runs)
-    print(f"{'configuration':<15} {'calls':>5} {'predicted ms':>13} {'traced ms':>10} {'traced/pred':>12} "
-          f"{'hidden':>7}")
+    print(f"{'configuration':<15} {'calls':>5} {'one line ms':>12} {'per range ms':>13} {'traced ms':>10} "
+          f"{'traced/range':>13} {'hidden':>7}")
     for t in table:
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
         hidden = "-" if t["hidden"] is None else f"{t['hidden']:.0%}"
-        print(f"{t['config']:<15} {t['calls']:>5} {t['predicted'] * 1e3:>13.1f} {t['measured'] * 1e3:>10.1f} "
-              f"{ratio:>12} {hidden:>7}")
-    print("per step and rank, median over the profiled steps; each collective's cost is the shortest over the ranks")
+        print(f"{t['config']:<15} {t['calls']:>5} {t['line'] * 1e3:>12.1f} {t['predicted'] * 1e3:>13.1f} "
+              f"{t['measured'] * 1e3:>10.1f} {ratio:>13} {hidden:>7}")
+    print("per step and rank; each collective at its fastest over the profiled steps and ranks, as the sweep reads "
+          "each size")
     return table
 
 
