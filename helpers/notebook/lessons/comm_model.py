@@ -1,19 +1,22 @@
 """Notebook 11 (inside a step), model section: an alpha-beta model of each collective, fitted on this machine, and
-its predictions for the steps of section 1-3 against their traces.
+its predictions for the steps of sections 1-3 against their traces.
 
 ``course/collective_sweep.py --trace`` times five collectives over message sizes inside torch.profiler, each call a
-``sweep <op> <bytes>`` span; :func:`costs` reads each call's cost from the gloo spans as the training traces are read
-(:func:`helpers.calc.traces.labelled_costs`: the shortest over the ranks, so nobody's lateness counts; the fastest
-call of each size), so the model and the measurements share one instrument. :func:`fits` fits ``time = alpha + bytes / bandwidth`` per collective
-(:func:`helpers.calc.comm.fit_alpha_beta`); :func:`calls_of` lists a traced run's collectives from the course's byte
-formulas (DDP's buckets, FSDP2's per-layer gathers and reductions, TP's 4 all-reduces per layer); :func:`residuals`
-sets the prediction beside the trace (:func:`helpers.calc.traces.collective_costs`).
+``sweep <op> <bytes>`` span. :func:`costs` reads each call's cost from the gloo spans as the training traces are
+read (:func:`helpers.calc.traces.labelled_costs`: the shortest over the ranks, so nobody's lateness counts), and a
+size's cost as a step's collective is read (the fastest of as many calls as there are profiled steps, averaged over
+blocks), so the model and the measurements share one instrument and one statistic. :func:`fits` fits
+``time = alpha + bytes / bandwidth`` per collective (:func:`helpers.calc.comm.fit_alpha_beta`) and keeps the
+points for the per-range model (:func:`helpers.calc.comm.local_seconds`). :func:`calls_of` lists a traced run's
+collectives from the course's byte formulas (DDP's buckets, FSDP2's per-layer gathers and reductions, TP's 4
+all-reduces per layer, ZeRO-1/2's gradient, norm and partitions); :func:`residuals` sets the predictions beside
+the trace (:func:`helpers.calc.traces.fastest_costs`).
 
 Example (notebook cells)::
 
     sweep = launch.torchrun("course/collective_sweep.py", nproc=n, args=["--trace", "--factor", 2, "--iters", 20])
     model = model_lesson.show_fits(sweep, block=5)   # read as 5 profiled steps are
-    table = model_lesson.show_residuals(model, runs | {"tp": tp})
+    table = model_lesson.show_residuals(model, runs | {"tp": tp} | zero12)
     model_lesson.claim_model(model, table, sweep)
 """
 from __future__ import annotations
