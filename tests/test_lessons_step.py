@@ -319,17 +319,6 @@ def test_labelled_costs_take_the_last_arrival_of_each_call():
     assert calc.labelled_costs(spans, "sweep ") == {"sweep a 1": [pytest.approx(40e-6), pytest.approx(30e-6)]}
 
 
-def test_collective_costs_match_the_kth_collective_and_refuse_disagreeing_ranks():
-    def rank(durs):
-        return {"traceEvents": [event("ProfilerStep#1", 0, 1000, cat="user_annotation")] +
-                [event("gloo:all_reduce", 100 * k, d, tid=2) for k, d in enumerate(durs)]}
-
-    rows = calc.collective_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20, 30])}))
-    assert rows == [dict(seconds=pytest.approx(30e-6), calls=2, names=["gloo:all_reduce"] * 2)]
-    with pytest.raises(ValueError, match="different numbers"):
-        calc.collective_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20])}))
-
-
 def test_fastest_costs_read_each_collective_as_a_sweep_reads_a_size():
     def rank(*steps):  # each step 1000 us, its all-reduces 100 us apart
         events = []

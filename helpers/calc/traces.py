@@ -161,21 +161,6 @@ def _calls_per_step(all_spans: Sequence[Mapping]) -> dict[int, list[list[dict]]]
     return per_rank
 
 
-def collective_costs(all_spans: Sequence[Mapping]) -> list[dict]:
-    """Per profiled step (in order), each collective's own cost: the k-th communication span of the step on every
-    rank is the same collective (every rank calls the same ones in the same order), and the shortest of its spans
-    over the ranks is its cost, since the others include waiting for the last rank to arrive. Returns one row per
-    step: ``seconds`` (the costs added up), ``calls`` (how many collectives) and ``names`` (their span names).
-    Steps the ranks disagree on (a different number of collectives) raise a ValueError."""
-    per_rank = _calls_per_step(all_spans)
-    rows = []
-    for k in range(len(next(iter(per_rank.values()), []))):
-        calls = list(zip(*(steps[k] for steps in per_rank.values())))
-        rows.append(dict(seconds=sum(min(s["t1"] - s["t0"] for s in call) for call in calls) / 1e6,
-                         calls=len(calls), names=[call[0]["name"] for call in calls]))
-    return rows
-
-
 def fastest_costs(all_spans: Sequence[Mapping]) -> list[float]:
     """The cost of each collective of a step, read as a sweep reads a size's calls: the k-th collective of every
     profiled step on every rank is the same call repeated, and its fastest instance (seconds) is its cost. A
@@ -192,7 +177,7 @@ def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[
     """The cost of each call inside a labelled span (``record_function`` names starting with ``prefix``, the same
     labels in the same order on every rank): the communication spans that start inside the n-th label of a rank
     belong to its n-th call; a call's cost is the shortest of the ranks' summed spans, seconds, as in
-    :func:`collective_costs`. Returns {label: [cost of each of its calls, in order]}."""
+    :func:`fastest_costs`. Returns {label: [cost of each of its calls, in order]}."""
     per_label: dict[str, dict[int, list[float]]] = {}
     for rank, mine in by_rank(all_spans).items():
         comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])

@@ -145,12 +145,15 @@ TORCHRUN_MAIN = ("import logging, os, sys; from torch.distributed.run import mai
                  "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 
 
+DS_CONFIG_FILE = "deepspeed_config.json"  # where a ds_config passed as a dict is written, in the run directory
+
+
 def _deepspeed_command(spec: LaunchSpec, port: int, run_dir: Path) -> tuple[list[str], Path | None]:
     """The launcher's command line (a dict config is written into the run directory first), and the folder where
     it makes every rank write its own log."""
     cfg_args = []
     if isinstance(spec.config, dict):
-        cfg_file = run_dir / "deepspeed_config.json"
+        cfg_file = run_dir / DS_CONFIG_FILE
         cfg_file.write_text(json.dumps(spec.config, indent=2))
         cfg_args = ["--deepspeed_config", str(cfg_file)]
     elif spec.config is not None:

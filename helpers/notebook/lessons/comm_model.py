@@ -25,6 +25,7 @@ import json
 import statistics
 from collections import Counter
 
+from ... import launch
 from ...calc import comm
 from ...calc import traces as calc
 from .. import traces
@@ -132,9 +133,9 @@ def deepspeed_calls(run) -> list[tuple[str, float]]:
         raise ValueError(f"ZeRO-{stage} is not priced: only ZeRO-1 and ZeRO-2's collectives follow from the formulas")
     if r.get("dtype", "fp32") != "fp32":
         raise ValueError(f"priced in fp32 only, this run trained in {r['dtype']}")
-    config_file = run.run_dir / "deepspeed_config.json"
+    config_file = run.run_dir / launch.DS_CONFIG_FILE
     if not config_file.exists():
-        raise ValueError(f"{run.run_dir}: no deepspeed_config.json; launch with the ds_config as a dict, which the "
+        raise ValueError(f"{run.run_dir}: no {launch.DS_CONFIG_FILE}; launch with the ds_config as a dict, which the "
                          "launcher keeps in the run directory")
     clipping = json.loads(config_file.read_text()).get("gradient_clipping", 0) or 0
     return ([("all_reduce", params * 4)] + [("all_reduce", 4)] * (clipping > 0) +

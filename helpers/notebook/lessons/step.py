@@ -26,11 +26,11 @@ import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...calc import traces as calc
 from .. import traces
 from ..checks import claim
+from ..scripts import COURSE
 
 SCRIPT = "course/overlap.py"
 DDP_MODES = ("buckets", "one-bucket", "no-overlap")
@@ -39,7 +39,7 @@ MODES = DDP_MODES + FSDP_MODES
 # DeepSpeed ZeRO-3's two overlap knobs, one at a time off (notebook 03's ds_config at stage 3 otherwise)
 ZERO3_MODES = {"zero3": {}, "no-overlap-comm": {"overlap_comm": False},
                "no-prefetch": {"stage3_prefetch_bucket_size": 0}}
-DS_CONFIG = Path(__file__).resolve().parents[3] / "course" / "ds_config.json"
+DS_CONFIG = COURSE / "ds_config.json"
 LAYERS = 8  # the script's MLP
 # No constant margin decides a claim here: each compares a mode with what the same run measured where the answer
 # is known by construction (no overlap hides nothing; a collective waited for where it is issued hides nothing), or
