@@ -50,3 +50,20 @@ def test_each_size_range_is_priced_by_its_own_line():
         comm.local_seconds([1e6, 1e6], [1e-3, 2e-3], 1e6)
     with pytest.raises(KeyError, match="all_gather"):
         comm.predict_calls(fits, [("all_gather", 1e6)], local=True)
+
+
+def test_a_collective_is_priced_at_the_idle_time_it_followed():
+    sizes = [1e6, 2e6]
+    by_idle = {0.0: [1e-3, 2e-3], 5.0: [1.5e-3, 2.5e-3], 30.0: [2e-3, 3e-3]}
+    assert comm.idle_seconds(sizes, by_idle, 1e6, 0) == pytest.approx(1e-3)  # back to back
+    assert comm.idle_seconds(sizes, by_idle, 1e6, 2.5) == pytest.approx(1.25e-3)  # half-way from 0 to 5 ms
+    assert comm.idle_seconds(sizes, by_idle, 1.5e6, 17.5) == pytest.approx(2.25e-3)  # both lines at once
+    assert comm.idle_seconds(sizes, by_idle, 1e6, 300) == pytest.approx(2e-3)  # beyond the longest: its price
+    assert comm.idle_seconds(sizes, {30.0: [2e-3, 3e-3]}, 1e6, 1) == pytest.approx(2e-3)  # below the shortest
+    fits = {"all_reduce": dict(sizes=sizes, seconds=by_idle[0.0], by_idle=by_idle, alpha=0.0, beta=1e-9)}
+    assert comm.predict_calls(fits, [("all_reduce", 2e6)] * 2, idle=5) == pytest.approx(5e-3)
+    assert comm.predict_calls(fits, [("all_reduce", 2e6)] * 2, local=True) == pytest.approx(4e-3)  # back to back
+    with pytest.raises(ValueError, match="idle"):
+        comm.idle_seconds(sizes, {}, 1e6, 1)
+    with pytest.raises(ValueError, match="idle"):
+        comm.idle_seconds(sizes, by_idle, 1e6, -1)

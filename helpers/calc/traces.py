@@ -161,16 +161,40 @@ def _calls_per_step(all_spans: Sequence[Mapping]) -> dict[int, list[list[dict]]]
     return per_rank
 
 
-def fastest_costs(all_spans: Sequence[Mapping]) -> list[float]:
+def fastest_costs(all_spans: Sequence[Mapping], block: int | None = None) -> list[float]:
     """The cost of each collective of a step, read as a sweep reads a size's calls: the k-th collective of every
     profiled step on every rank is the same call repeated, and its fastest instance (seconds) is its cost. A
-    rank's lateness, a busy core or a late wake-up only ever add time. Steps that hold different numbers of
-    collectives, on one rank or across ranks, raise a ValueError (there is no k-th call to compare)."""
+    rank's lateness, a busy core or a late wake-up only ever add time. With ``block``, the fastest over every
+    ``block`` consecutive steps (all ranks), averaged over those blocks (a last, shorter block left out). Steps
+    that hold different numbers of collectives, on one rank or across ranks, raise a ValueError (there is no k-th
+    call to compare)."""
+    if block is not None and block < 1:
+        raise ValueError(f"block={block!r}: steps per block, 1 or more")
     per_rank = _calls_per_step(all_spans)
     steps = [step for rank_steps in per_rank.values() for step in rank_steps]
     if len({len(step) for step in steps}) > 1:
         raise ValueError(f"the profiled steps hold different numbers of collectives: {sorted({len(s) for s in steps})}")
-    return [min(step[k]["t1"] - step[k]["t0"] for step in steps) / 1e6 for k in range(len(steps[0]) if steps else 0)]
+    n = min((len(s) for s in per_rank.values()), default=0)
+    size = n if block is None or block > n else block
+    blocks = [[step for rank_steps in per_rank.values() for step in rank_steps[i:i + size]]
+              for i in range(0, n - size + 1, size)] if size else []
+    calls = len(steps[0]) if steps else 0
+    return [sum(min(step[k]["t1"] - step[k]["t0"] for step in b) for b in blocks) / len(blocks) / 1e6
+            for k in range(calls)]
+
+
+def idle_before(all_spans: Sequence[Mapping]) -> list[float]:
+    """How long each collective of the profiled steps followed its rank's previous one (ms: from the end of the
+    latest communication span that ended before it started, on the same rank, to its start); a rank's first
+    collective, with none before it, is left out."""
+    out = []
+    for rank, steps in _calls_per_step(all_spans).items():
+        ends = sorted(s["t1"] for s in all_spans if s["rank"] == rank and s["kind"] == "comm")
+        for call in (c for step in steps for c in step):
+            before = [t for t in ends if t <= call["t0"]]
+            if before:
+                out.append((call["t0"] - before[-1]) / 1e3)
+    return out
 
 
 def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[float]]:
