@@ -1,7 +1,8 @@
 """What does each collective cost here? Five collectives timed over message sizes, for an alpha-beta model.
 
     torchrun --nproc-per-node 2 course/collective_sweep.py
-    torchrun --nproc-per-node 4 course/collective_sweep.py --max-bytes 64MiB --iters 9
+    torchrun --nproc-per-node 4 course/collective_sweep.py --max-bytes 67108864 --iters 9
+    torchrun --nproc-per-node 2 course/collective_sweep.py --trace --gaps-ms 30 --gap-ops all_reduce
 
 For each collective and size: warm up, then time --iters calls one by one, each between two barriers, on every
 rank. A rank that arrives first waits for the others inside the collective, so its time includes the others'
@@ -9,7 +10,9 @@ lateness; the last to arrive waits for nobody. Its time, the smallest over the r
 cost; the median over the calls is what the row reports. Message sizes follow the course's byte counters
 (helpers/calc/comm.py): the whole tensor for all_reduce, reduce_scatter and broadcast, this rank's shard for
 all_gather, the message for send_recv (every rank sends to the next and receives from the one before, as a
-pipeline's stages do). course/allreduce_bench.py (notebook 00) is the all-reduce alone, nccl-tests style.
+pipeline's stages do). With --gaps-ms, each size is timed again with every call after that long without
+communication, as a step's collective follows its compute (notebook 11 prices each one at the pause it followed).
+course/allreduce_bench.py (notebook 00) is the all-reduce alone, nccl-tests style.
 """
 import argparse
 import contextlib
@@ -74,6 +77,23 @@ def sync(device) -> None:
     dist.barrier()
 
 
+def timed(run, label: str, iters: int, device, idle: float = 0.0) -> list[float]:
+    """``iters`` calls of ``run``, each between barriers (after ``idle`` seconds of sleep first) and inside a
+    ``label`` span for the trace; this rank's seconds per call."""
+    mine = []
+    for _ in range(iters):
+        if idle:
+            time.sleep(idle)
+        sync(device)
+        with torch.profiler.record_function(label):
+            t0 = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            mine.append(time.perf_counter() - t0)
+    return mine
+
+
 @record
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,10 +103,18 @@ def main() -> None:
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between steps")
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--gaps-ms", type=float, nargs="*", default=[],
+                        help="after the calls back to back, time each size again with every call after this long "
+                             "idle (ms; one pass per gap): a step's collective follows its compute, not another call")
+    parser.add_argument("--gap-ops", nargs="+", choices=OPS, default=None,
+                        help="the collectives timed after each gap (default: all of --ops)")
+    parser.add_argument("--gap-iters", type=int, default=None, help="calls per gap (default: --iters)")
     parser.add_argument("--trace", action="store_true",
                         help="time the calls inside torch.profiler, as the --profile-steps runs are, and write a "
                              "trace per rank to the run directory (each call a 'sweep <op> <bytes>' span)")
     args = parser.parse_args()
+    if any(g <= 0 for g in args.gaps_ms):
+        parser.error(f"--gaps-ms {args.gaps_ms}: each gap is a positive number of milliseconds")
     rank, local_rank, world = launched_ranks("torchrun --nproc-per-node 2 course/collective_sweep.py")
     if world < 2:
         raise SystemExit("a collective needs two ranks or more: torchrun --nproc-per-node 2 ...")
@@ -109,15 +137,10 @@ def main() -> None:
                     run = collective(op, size_bytes, rank, world, device)
                     for _ in range(args.warmup):
                         run()
-                    mine = []
-                    for _ in range(args.iters):
-                        sync(device)
-                        with torch.profiler.record_function(f"sweep {op} {size_bytes}"):
-                            t0 = time.perf_counter()
-                            run()
-                            if device.type == "cuda":
-                                torch.cuda.synchronize(device)
-                            mine.append(time.perf_counter() - t0)
+                    mine = timed(run, f"sweep {op} {size_bytes}", args.iters, device)
+                    for gap in args.gaps_ms if op in (args.gap_ops or args.ops) else []:  # each after idling
+                        timed(run, f"sweep {op} {size_bytes} gap {gap:g}", args.gap_iters or args.iters, device,
+                              idle=gap / 1e3)
                     times = torch.tensor(mine, dtype=torch.float64, device=device)
                     every = [torch.empty_like(times) for _ in range(world)]
                     dist.all_gather(every, times)
