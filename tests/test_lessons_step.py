@@ -5,6 +5,9 @@ missing, a TP all-reduce nobody waits for, a model that overprices); the byte fo
 from __future__ import annotations
 
 import json
+import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -280,6 +283,31 @@ def test_the_sweep_is_read_in_blocks_of_the_profiled_steps(tmp_path):
         comm_model.costs(run, block=0)
 
 
+def test_idling_and_computing_beside_are_claimed_with_a_core_per_rank_and_the_25_percent_count_read(tmp_path,
+                                                                                                     capsys):
+    sweep = gapped_sweep_run(tmp_path)
+    model = comm_model.fits(sweep)
+    table = [dict(config=c, ratio=r) for c, r in (("buckets", 2.5), ("one-bucket", 1.1), ("no-overlap", 0.8),
+                                                  ("fsdp2", 1.3), ("tp", 1.24), ("zero1", None))]
+    cfg = lesson.resolve("smoke", 2, 2)
+    comm_model.claim_residuals(model, table, sweep, cfg)
+    out = capsys.readouterr().out
+    assert [v for _, v in checks.parse(out)] == [True, True]
+    assert "(measured: 3 of 5 configurations, one-bucket 1.10, no-overlap 0.80, tp 1.24)" in out  # 2.5, 1.3: off
+    comm_model.claim_residuals(comm_model.fits(gapped_sweep_run(tmp_path, 1.0)), table, sweep, cfg)
+    assert list(verdicts(capsys).values()) == [False, True]  # the fault: idling costs nothing
+    slow_alone = [dict(t, ratio=2.6) if t["config"] == "no-overlap" else t for t in table]
+    comm_model.claim_residuals(model, slow_alone, sweep, cfg)
+    assert list(verdicts(capsys).values()) == [True, False]  # the fault: the all-reduce alone is as slow
+    comm_model.claim_residuals(model, table, sweep, lesson.resolve("smoke", 2, 3))
+    out = capsys.readouterr().out
+    assert "take turns" in out and "3 of 5" in out and not checks.parse(out)  # 3 ranks on 2 cores: read only
+    comm_model.claim_residuals(model, table[3:], sweep, cfg)  # no DDP rows: the idle claim alone
+    assert list(verdicts(capsys).values()) == [True]
+    comm_model.claim_residuals(model, [dict(config="one", ratio=None)], sweep, cfg)  # one rank: nothing priced
+    assert capsys.readouterr().out == ""
+
+
 def test_nearer_decides_between_two_outcomes():
     assert lesson.nearer(0.9, 1.0, 0.5) and not lesson.nearer(0.7, 1.0, 0.5) and not lesson.nearer(0.75, 1.0, 0.5)
 
@@ -334,16 +362,73 @@ def test_fastest_costs_read_each_collective_as_a_sweep_reads_a_size():
     with pytest.raises(ValueError, match="different numbers"):
         calc.fastest_costs(calc.spans_of({0: rank([50, 10]), 1: rank([20])}))
     assert calc.fastest_costs(calc.spans_of({0: rank([], [])})) == []
+    # in blocks of 2 steps: (50, 10 | 40, 70) on rank 0 and (20, 30 | 60, 25) on rank 1 are one block; with a
+    # third and fourth step, a second block, and the costs are the mean of the two blocks' fastest
+    four = calc.spans_of({0: rank([50, 10], [40, 70], [90, 90], [80, 95]), 1: rank([20, 30], [60, 25], [70, 99],
+                                                                                     [99, 85])})
+    assert calc.fastest_costs(four, block=2) == [pytest.approx(45e-6), pytest.approx(47.5e-6)]
+    assert calc.fastest_costs(four, block=3) == [pytest.approx(20e-6), pytest.approx(10e-6)]  # the 4th left out
+    assert calc.fastest_costs(four, block=9) == calc.fastest_costs(four)  # fewer steps than a block: all of them
+    with pytest.raises(ValueError, match="block"):
+        calc.fastest_costs(four, block=0)
+
+
+def test_idle_before_is_the_time_since_the_ranks_previous_collective():
+    def rank(offset):  # two steps of 1000 us, all-reduces at 100-150 and 400-420 us of each
+        events = []
+        for i in range(2):
+            events.append(event(f"ProfilerStep#{i}", 1000 * i, 1000, cat="user_annotation"))
+            events += [event("gloo:all_reduce", 1000 * i + offset + a, d, tid=2) for a, d in ((100, 50), (400, 20))]
+        return {"traceEvents": events}
+
+    spans = calc.spans_of({0: rank(0), 1: rank(10)})
+    # per rank: the first call has none before it; then 250, 680 (420 -> 1100) and 250 us
+    assert calc.idle_before(spans) == [pytest.approx(x) for x in (0.25, 0.68, 0.25) * 2]
+    with pytest.raises(ValueError, match="different numbers"):
+        calc.idle_before(calc.spans_of({0: rank(0), 1: {"traceEvents": rank(0)["traceEvents"][:-1]}}))
+
+
+def gapped_sweep_run(tmp_path, penalty: float = 2.0) -> FakeRun:
+    """A sweep of all_reduce and all_gather back to back (100 + bytes / 1000 us) and after 30 ms idle (``penalty``
+    times as long)."""
+    events, t = [], 0.0
+    for op in ("all_reduce", "all_gather"):
+        for size in (1e5, 1e6, 1e7):
+            for label, factor in ((f"sweep {op} {int(size)}", 1.0), (f"sweep {op} {int(size)} gap 30", penalty)):
+                for _ in range(3):
+                    dur = (100 + size / 1e3) * factor
+                    events += [event(label, t, dur + 20), event(f"gloo:{op}", t + 10, dur, tid=2)]
+                    t += dur + 100
+    return FakeRun(tmp_path, f"gapped{penalty:g}", {0: events, 1: events}, {})
+
+
+def test_the_sweep_after_idle_is_kept_beside_the_sweep_back_to_back(tmp_path):
+    model = comm_model.fits(gapped_sweep_run(tmp_path))
+    assert model["all_reduce"]["alpha"] == pytest.approx(100e-6)  # the line is fitted back to back
+    assert sorted(model["all_gather"]["by_idle"]) == [0.0, 30.0]
+    assert model["all_gather"]["by_idle"][30.0] == pytest.approx([2 * s for s in model["all_gather"]["seconds"]])
+    assert comm_model.costs(gapped_sweep_run(tmp_path, 3.0), idle=30.0)["all_reduce"][10 ** 6] == \
+        pytest.approx(3 * 1100e-6)
+    assert comm_model.idle_penalty(model) == pytest.approx(2.0)
+    back_to_back = comm_model.fits(sweep_run(tmp_path))
+    assert back_to_back["all_reduce"]["by_idle"].keys() == {0.0}  # no gap timed
+    with pytest.raises(ValueError, match="--gaps-ms"):
+        comm_model.idle_penalty(back_to_back, ops=("all_reduce",))
 
 
 def test_the_residual_table_prices_by_range_and_reads_the_fastest_instances(tmp_path, capsys):
-    model = comm_model.fits(sweep_run(tmp_path))
+    model = comm_model.fits(gapped_sweep_run(tmp_path))
     runs = ddp_runs(tmp_path)
     table = {t["config"]: t for t in comm_model.show_residuals(model, runs)}
     out = capsys.readouterr().out
-    assert "per range ms" in out and "traced/range" in out
+    assert "after idle" in out and "traced/model" in out
     calls = comm_model.calls_of(runs["buckets"])
-    assert table["buckets"]["predicted"] == pytest.approx(comm.predict_calls(model, calls, local=True))
+    idle = statistics.median(calc.idle_before(nb_traces.spans(runs["buckets"])))
+    assert table["buckets"]["idle"] == pytest.approx(idle)
+    assert table["buckets"]["predicted"] == pytest.approx(comm.predict_calls(model, calls, idle=idle))
+    assert table["buckets"]["warm"] == pytest.approx(comm.predict_calls(model, calls, local=True))
+    assert table["buckets"]["idle"] == 0.0 and table["buckets"]["predicted"] == table["buckets"]["warm"]  # queued
+    assert table["no-overlap"]["idle"] > 0 and table["no-overlap"]["predicted"] > table["no-overlap"]["warm"]
     assert table["buckets"]["line"] == pytest.approx(comm.predict_calls(model, calls))
     assert table["buckets"]["measured"] == pytest.approx(sum(calc.fastest_costs(nb_traces.spans(runs["buckets"]))))
     assert table["buckets"]["ratio"] == pytest.approx(table["buckets"]["measured"] / table["buckets"]["predicted"])
@@ -367,7 +452,7 @@ def test_the_six_modes_run_and_their_traces_back_every_claim_at_two_ranks(runs_r
     got = verdicts(capsys)
     assert len(got) == 5 and all(got.values()), got
     for mode, run in runs.items():
-        assert len(lesson.rows(run)) == 2 * 5, mode  # 2 ranks x 5 profiled steps
+        assert len(lesson.rows(run)) == 2 * cfg.profiled, mode  # 2 ranks x the profiled steps
 
 
 @pytest.mark.slow
@@ -375,11 +460,18 @@ def test_the_traced_sweep_prices_every_collective(runs_root):
     from helpers import launch
 
     sweep = launch.torchrun("course/collective_sweep.py", nproc=2, args=["--trace", "--iters", 3, "--max-bytes",
-                                                                          2 ** 21], name="t_sweep", show="none",
-                            timeout=300)
+                                                                          2 ** 21, "--gaps-ms", 5, "--gap-iters", 2,
+                                                                          "--gap-ops", "all_gather"],
+                            name="t_sweep", show="none", timeout=300)
     model = comm_model.fits(sweep)
     assert sorted(model) == sorted(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"))
     assert all(f["bandwidth"] > 0 and f["sizes"] == [2 ** 15, 2 ** 17, 2 ** 19, 2 ** 21] for f in model.values())
-    # every call of every size was found inside its label on both ranks (3 timed calls each)
+    assert sorted(model["all_gather"]["by_idle"]) == [0.0, 5.0] and list(model["all_reduce"]["by_idle"]) == [0.0]
+    # every call of every size was found inside its label on both ranks (3 timed calls each, 2 after each gap)
     labels = calc.labelled_costs(calc.spans_of(nb_traces.load(sweep)), "sweep ")
-    assert len(labels) == 5 * 4 and all(len(v) == 3 and min(v) > 0 for v in labels.values())
+    assert len(labels) == 5 * 4 + 4 and all(min(v) > 0 for v in labels.values())
+    assert sorted({len(v) for k, v in labels.items() if "gap" in k}) == [2] and \
+        sorted({len(v) for k, v in labels.items() if "gap" not in k}) == [3]
+    bad = subprocess.run([sys.executable, "course/collective_sweep.py", "--gaps-ms", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "positive number of milliseconds" in bad.stderr  # refused before any rank starts

@@ -52,7 +52,8 @@ class Settings:
     nproc: int
     cores: int
     steps: int = 8
-    profiled: int = 5
+    profiled: int = 5   # the MLP's runs; the traces and the sweep are read in blocks of this many (comm_model)
+    short: int = 15     # the runs whose steps are short (TP, DeepSpeed's CNN) profile more: 3 blocks
     width: int = 1024
 
     @property
@@ -67,18 +68,25 @@ class Settings:
                 "--profile-steps", self.profiled, "--width", self.width]
 
     def zero3_args(self) -> list:
-        """course/ds_cifar10.py (notebook 03's script) at ZeRO stage 3 on generated images, 3 of 8 steps profiled."""
-        return ["--stage", 3, "--steps", 8, "--skip-steps", 5, "--profile-steps", 3, "--dataset", "synthetic",
-                "--train-size", 2000]
+        """course/ds_cifar10.py (notebook 03's script) at ZeRO stage 3 on generated images, :attr:`short` steps
+        profiled."""
+        return ["--stage", 3, "--steps", 5 + self.short, "--skip-steps", 5, "--profile-steps", self.short,
+                "--dataset", "synthetic", "--train-size", 2000]
 
     def zero_args(self, stage: int) -> list:
-        """course/ds_cifar10.py at ZeRO ``stage`` on generated images, as many steps profiled as the MLP's runs."""
-        return ["--stage", stage, "--steps", 5 + self.profiled, "--skip-steps", 5, "--profile-steps", self.profiled,
+        """course/ds_cifar10.py at ZeRO ``stage`` on generated images, :attr:`short` steps profiled."""
+        return ["--stage", stage, "--steps", 5 + self.short, "--skip-steps", 5, "--profile-steps", self.short,
                 "--dataset", "synthetic", "--train-size", 2000]
 
     def tp_args(self) -> list:
-        """course/gpt_tp.py (notebook 09's script, its defaults), as many steps profiled as the MLP's runs."""
-        return ["--steps", 3 + self.profiled, "--skip-steps", 3, "--profile-steps", self.profiled]
+        """course/gpt_tp.py (notebook 09's script, its defaults), :attr:`short` steps profiled."""
+        return ["--steps", 3 + self.short, "--skip-steps", 3, "--profile-steps", self.short]
+
+    def sweep_args(self) -> list:
+        """course/collective_sweep.py, traced and read as the runs are: four blocks of calls back to back, and three
+        of the collectives the runs use, each call after 30 ms without communication (one block)."""
+        return ["--trace", "--factor", 2, "--iters", 4 * self.profiled, "--gaps-ms", 30, "--gap-iters", self.profiled,
+                "--gap-ops", "all_reduce", "all_gather", "reduce_scatter"]
 
     def __str__(self) -> str:
         return (f"profile={self.profile} nproc={self.nproc} ({self.cores} cores here) steps={self.steps}, the last "
