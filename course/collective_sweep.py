@@ -9,8 +9,9 @@ rank. A rank that arrives first waits for the others inside the collective, so i
 lateness; the last to arrive waits for nobody. Its time, the smallest over the ranks, is the collective's own
 cost; the median over the calls is what the row reports. Message sizes follow the course's byte counters
 (helpers/calc/comm.py): the whole tensor for all_reduce, reduce_scatter and broadcast, this rank's shard for
-all_gather, the message for send_recv (every rank sends to the next and receives from the one before, as a
-pipeline's stages do). With --gaps-ms, each size is timed again with every call after that long without
+all_gather, the message for send_recv (every rank sends to the next and receives from the one before: both
+directions at once) and for send (rank 0 to rank 1 only, one way, as a pipeline stage hands over its activations;
+its cost is the receiver's, the others idle). With --gaps-ms, each size is timed again with every call after that long without
 communication, as a step's collective follows its compute (notebook 11 prices each one at the pause it followed).
 course/allreduce_bench.py (notebook 00) is the all-reduce alone, nccl-tests style.
 """
@@ -30,7 +31,7 @@ from helpers.rank.devices import rank_device
 from helpers.rank.metrics import RUN_DIR_ENV, Reporter
 from helpers.rank.runtime import end_rank, launched_ranks, log0
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "send")
 
 
 def collective(op: str, size_bytes: int, rank: int, world: int, device):
@@ -55,6 +56,13 @@ def collective(op: str, size_bytes: int, rank: int, world: int, device):
                                                dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]):
                 req.wait()
         return send_recv
+    if op == "send":  # one way, rank 0 to rank 1, as a two-stage pipeline sends its activations; others idle
+        def send():
+            if rank == 0:
+                dist.send(whole, dst=1)
+            elif rank == 1:
+                dist.recv(whole, src=0)
+        return send
     raise ValueError(f"unknown collective {op!r}: one of {', '.join(OPS)}")
 
 
@@ -144,7 +152,9 @@ def main() -> None:
                     times = torch.tensor(mine, dtype=torch.float64, device=device)
                     every = [torch.empty_like(times) for _ in range(world)]
                     dist.all_gather(every, times)
-                    own = [min(call) for call in zip(*(t.tolist() for t in every))]  # the last to arrive, per call
+                    per_call = list(zip(*(t.tolist() for t in every)))
+                    # the last to arrive, per call; one way, the receiver (rank 1: the others take no part)
+                    own = [call[1] for call in per_call] if op == "send" else [min(call) for call in per_call]
                     seconds = statistics.median(own)
                     row += 1
                     if rank == 0:

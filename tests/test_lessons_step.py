@@ -464,14 +464,79 @@ def test_the_traced_sweep_prices_every_collective(runs_root):
                                                                           "--gap-ops", "all_gather"],
                             name="t_sweep", show="none", timeout=300)
     model = comm_model.fits(sweep)
-    assert sorted(model) == sorted(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv"))
+    assert sorted(model) == sorted(("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "send"))
     assert all(f["bandwidth"] > 0 and f["sizes"] == [2 ** 15, 2 ** 17, 2 ** 19, 2 ** 21] for f in model.values())
     assert sorted(model["all_gather"]["by_idle"]) == [0.0, 5.0] and list(model["all_reduce"]["by_idle"]) == [0.0]
     # every call of every size was found inside its label on both ranks (3 timed calls each, 2 after each gap)
     labels = calc.labelled_costs(calc.spans_of(nb_traces.load(sweep)), "sweep ")
-    assert len(labels) == 5 * 4 + 4 and all(min(v) > 0 for v in labels.values())
+    assert len(labels) == 6 * 4 + 4 and all(min(v) > 0 for v in labels.values())
+    one_way = calc.labelled_transfers(calc.spans_of(nb_traces.load(sweep)), comm_model.ONE_WAY)
+    assert len(one_way) == 4 and all(len(v) == 3 and min(v) > 0 for v in one_way.values())
     assert sorted({len(v) for k, v in labels.items() if "gap" in k}) == [2] and \
         sorted({len(v) for k, v in labels.items() if "gap" not in k}) == [3]
     bad = subprocess.run([sys.executable, "course/collective_sweep.py", "--gaps-ms", "0"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "positive number of milliseconds" in bad.stderr  # refused before any rank starts
+
+
+def pp_step(t0: float, rank: int, late: float = 0.0, recvs: int = 4) -> list[dict]:
+    """One 1F1B step of a two-stage pipeline, 4 micro-batches 1000 us apart: rank 0 hands over each activation
+    (``c10d::send``) at 100 us into its slot and stage 1's receive, posted at 50 us, ends 60 us after the hand-off
+    (``late``: a receive posted 200 us after its message was sent, which then takes 20 us); the gradients
+    come back the same way at 500 us, and gloo's own ``gloo:send`` spans open only once the bytes are written."""
+    events = [event("ProfilerStep#1", t0, 4000, cat="user_annotation")]
+    for m in range(4):
+        slot = t0 + 1000 * m
+        for at, sender in ((100, 0), (500, 1)):
+            if rank == sender:
+                events += [event("c10d::send", slot + at, 5), event("gloo:send", slot + at + 40, 5)]
+            elif m < recvs:
+                posted = slot + (at + 200 if late else at - 50)
+                done = posted + 20 if late else slot + at + 60
+                events += [event("c10d::recv_", posted - 5, 5), event("gloo:recv", posted, done - posted)]
+    return events
+
+
+def pp_run(tmp_path, name: str, *, nproc: int = 2, late: float = 0.0, recvs: int = 4, **result) -> FakeRun:
+    res = dict(framework="pp", world_size=nproc, pp_num_stages=nproc, pp_microbatches=4, global_batch=8,
+               dtype="fp32", gpt=dict(seq_len=64, d_model=32)) | result
+    return FakeRun(tmp_path, name, {r: pp_step(0, r, late, recvs) + pp_step(5000, r, late, recvs)
+                                    for r in range(nproc)}, res)
+
+
+def test_a_pipelines_messages_are_priced_as_one_way_sends_and_read_from_both_ends(tmp_path):
+    run = pp_run(tmp_path, "pp")
+    assert comm_model.calls_of(run) == [("send", 2 * 64 * 32 * 4)] * 4  # 8 / 4 per micro-batch x s x h, fp32
+    # each receive ends 60 us after its hand-off; gloo's late gloo:send span (40 us on) would read 20 us
+    assert comm_model.measured_costs(run) == [pytest.approx(60e-6)] * 4
+    assert comm_model.measured_costs(pp_run(tmp_path, "late", late=1.0)) == [pytest.approx(20e-6)] * 4
+    for name, kw, match in (("pp3", dict(nproc=3), "two stages"), ("pp_bf16", dict(dtype="bf16"), "fp32 only")):
+        with pytest.raises(ValueError, match=match):
+            comm_model.calls_of(pp_run(tmp_path, name, **kw))
+    with pytest.raises(ValueError, match="name no peer"):
+        calc.transfer_costs(traces_of(pp_run(tmp_path, "pp3b", nproc=3)))
+    with pytest.raises(ValueError, match="sends but"):
+        comm_model.measured_costs(pp_run(tmp_path, "lost", recvs=3))
+    assert comm_model.calls_of(pp_run(tmp_path, "one", nproc=1)) == []
+
+
+def traces_of(run):
+    return calc.spans_of(nb_traces.load(run))
+
+
+def test_the_pipeline_claim_counts_a_message_each_way_per_micro_batch_and_fails_on_a_lost_one(tmp_path, capsys):
+    cfg = lesson.resolve("smoke", 2, 2)
+    lesson.claim_pp(pp_run(tmp_path, "pp"), cfg)
+    assert list(verdicts(capsys).values()) == [True]
+    lesson.claim_pp(pp_run(tmp_path, "lost", recvs=3), cfg)
+    assert list(verdicts(capsys).values()) == [False]
+    assert lesson.resolve("smoke", 2, 4).pp_nproc == 2 and lesson.resolve("smoke", 2, 1).pp_nproc == 1
+
+
+def test_the_sweeps_one_way_send_is_read_from_its_hand_off_to_the_receives_end():
+    spans = calc.spans_of({0: {"traceEvents": [event("sweep send 8", 0, 300), event("c10d::send", 10, 250),
+                                               event("gloo:send", 255, 10)]},
+                           1: {"traceEvents": [event("sweep send 8", 0, 300), event("gloo:recv", 5, 235)]},
+                           2: {"traceEvents": [event("sweep send 8", 0, 300)]}})  # a third rank takes no part
+    assert calc.labelled_transfers(spans, "sweep send ") == {"sweep send 8": [pytest.approx(230e-6)]}
+    assert calc.labelled_costs(spans, "sweep send ")["sweep send 8"] == [0.0]  # why it is not read as a collective

@@ -31,6 +31,7 @@ Pure (no torch). Example::
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 
 COMM_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
@@ -39,6 +40,7 @@ WAIT_PREFIXES = ("_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"
                  # FSDP2's main-thread spans around a collective it waits for (on gloo: the whole collective)
                  "FSDP::all_gather (", "FSDP::post_backward_reduce")
 STEP_PREFIX = "ProfilerStep#"
+SEND_OP = "c10d::send"  # the operator that hands a point-to-point message to the backend (gloo or NCCL)
 
 
 def is_comm(name: str) -> bool:
@@ -168,19 +170,80 @@ def fastest_costs(all_spans: Sequence[Mapping], block: int | None = None) -> lis
     ``block`` consecutive steps (all ranks), averaged over those blocks (a last, shorter block left out). Steps
     that hold different numbers of collectives, on one rank or across ranks, raise a ValueError (there is no k-th
     call to compare)."""
+    per_rank = _calls_per_step(all_spans)
+    return _fastest({rank: [[(c["t1"] - c["t0"]) / 1e6 for c in step] for step in steps]
+                     for rank, steps in per_rank.items()}, block, "collectives")
+
+
+def _fastest(per_rank: Mapping[int, Sequence[Sequence[float]]], block: int | None, what: str) -> list[float]:
+    """{rank: [[the seconds of each call of its k-th step, in order], ...]} read as :func:`fastest_costs` reads."""
     if block is not None and block < 1:
         raise ValueError(f"block={block!r}: steps per block, 1 or more")
-    per_rank = _calls_per_step(all_spans)
     steps = [step for rank_steps in per_rank.values() for step in rank_steps]
     if len({len(step) for step in steps}) > 1:
-        raise ValueError(f"the profiled steps hold different numbers of collectives: {sorted({len(s) for s in steps})}")
+        raise ValueError(f"the profiled steps hold different numbers of {what}: {sorted({len(s) for s in steps})}")
     n = min((len(s) for s in per_rank.values()), default=0)
     size = n if block is None or block > n else block
     blocks = [[step for rank_steps in per_rank.values() for step in rank_steps[i:i + size]]
               for i in range(0, n - size + 1, size)] if size else []
     calls = len(steps[0]) if steps else 0
-    return [sum(min(step[k]["t1"] - step[k]["t0"] for step in b) for b in blocks) / len(blocks) / 1e6
-            for k in range(calls)]
+    return [sum(min(step[k] for step in b) for b in blocks) / len(blocks) for k in range(calls)]
+
+
+def is_send(name: str) -> bool:
+    """Where a point-to-point send was handed to the backend: the ``c10d::send`` operator. Not gloo's ``gloo:send``
+    span, which gloo opens only after it has written the bytes (a large message's span starts after its receiver's
+    ends)."""
+    return name == SEND_OP
+
+
+def is_recv(name: str) -> bool:
+    """A point-to-point receive's span (``gloo:recv``; NCCL's ``nccl:recv``): from when it was posted to when the
+    message had arrived."""
+    return is_comm(name) and name.endswith(":recv")
+
+
+def transfers(sends: Sequence[Mapping], recvs: Sequence[Mapping]) -> list[float]:
+    """Each message's transfer time, seconds: the k-th send paired with the k-th receive (each in the order they
+    started), from the later of the two starts to the receive's end. Neither span alone is the transfer: a
+    receive posted early waits for its sender, and a send returns once its bytes are handed over. Unequal counts
+    raise a ValueError (a message with no partner).
+
+    >>> transfers([{"t0": 10.0}], [{"t0": 0.0, "t1": 40.0}])  # posted at 0, sent at 10, arrived at 40 (us)
+    [3e-05]
+    """
+    if len(sends) != len(recvs):
+        raise ValueError(f"{len(sends)} sends but {len(recvs)} receives: every message has one of each")
+    return [(r["t1"] - max(s["t0"], r["t0"])) / 1e6 for s, r in zip(sorted(sends, key=lambda s: s["t0"]),
+                                                                   sorted(recvs, key=lambda s: s["t0"]))]
+
+
+def transfer_costs(all_spans: Sequence[Mapping], block: int | None = None) -> list[float]:
+    """The cost of each message a rank receives in a step of a two-rank pipeline, read as :func:`fastest_costs`
+    reads a collective: the k-th receive of every profiled step on both ranks (stage 0's gradients, stage 1's
+    activations: the same shape) is one call repeated, and its transfer (:func:`transfers`, paired with the other
+    rank's sends of the same step) at its fastest is its cost. gloo's send and receive spans do not name their
+    peer, so only between two ranks is each receive's sender known: other rank counts raise a ValueError, as do
+    steps that hold unequal numbers of messages."""
+    ranks = by_rank(all_spans)
+    if len(ranks) != 2:
+        raise ValueError(f"{len(ranks)} ranks: send and receive spans name no peer, so messages are paired between "
+                         "two ranks only")
+    steps = {rank: sorted((s for s in mine if s["kind"] == "step"), key=lambda s: s["t0"])
+             for rank, mine in ranks.items()}
+    if len({len(s) for s in steps.values()}) > 1:
+        raise ValueError(f"the ranks profiled different numbers of steps: { {r: len(s) for r, s in steps.items()} }")
+
+    def inside(rank, k, test):
+        st = steps[rank][k]
+        return [s for s in ranks[rank] if test(s["name"]) and st["t0"] <= s["t0"] < st["t1"]]
+
+    (a, b) = ranks
+    per_rank = {a: [], b: []}
+    for k in range(len(steps[a])):
+        per_rank[a].append(transfers(inside(b, k, is_send), inside(a, k, is_recv)))
+        per_rank[b].append(transfers(inside(a, k, is_send), inside(b, k, is_recv)))
+    return _fastest(per_rank, block, "messages")
 
 
 def idle_before(all_spans: Sequence[Mapping]) -> list[float]:
@@ -197,6 +260,12 @@ def idle_before(all_spans: Sequence[Mapping]) -> list[float]:
     return out
 
 
+def _starting_inside(ordered: Sequence[Mapping], starts: Sequence[float], span: Mapping) -> list[Mapping]:
+    """The spans of ``ordered`` (sorted by start, ``starts`` their starts) that start inside ``span``: a binary
+    search, not a scan (a sweep's trace holds thousands of labels and of collectives)."""
+    return list(ordered[bisect_left(starts, span["t0"]):bisect_left(starts, span["t1"])])
+
+
 def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[float]]:
     """The cost of each call inside a labelled span (``record_function`` names starting with ``prefix``, the same
     labels in the same order on every rank): the communication spans that start inside the n-th label of a rank
@@ -205,10 +274,30 @@ def labelled_costs(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[
     per_label: dict[str, dict[int, list[float]]] = {}
     for rank, mine in by_rank(all_spans).items():
         comm = sorted((s for s in mine if s["kind"] == "comm"), key=lambda s: s["t0"])
+        starts = [c["t0"] for c in comm]
         for label in sorted((s for s in mine if s["name"].startswith(prefix)), key=lambda s: s["t0"]):
-            inside = sum(c["t1"] - c["t0"] for c in comm if label["t0"] <= c["t0"] < label["t1"])
+            inside = sum(c["t1"] - c["t0"] for c in _starting_inside(comm, starts, label))
             per_label.setdefault(label["name"], {}).setdefault(rank, []).append(inside / 1e6)
     return {name: [min(call) for call in zip(*ranks.values())] for name, ranks in per_label.items()}
+
+
+def labelled_transfers(all_spans: Sequence[Mapping], prefix: str) -> dict[str, list[float]]:
+    """The cost of each one-way message inside a labelled span (labels as in :func:`labelled_costs`): the sends of
+    every rank inside the n-th label paired with the receives of every rank inside theirs (:func:`transfers`),
+    summed per call, seconds. Returns {label: [cost of each of its calls, in order]}."""
+    occurrences: dict[str, list[list[dict]]] = {}
+    for mine in by_rank(all_spans).values():
+        comm = sorted((s for s in mine if is_send(s["name"]) or is_recv(s["name"])), key=lambda s: s["t0"])
+        starts = [c["t0"] for c in comm]
+        seen: dict[str, int] = {}
+        for label in sorted((s for s in mine if s["name"].startswith(prefix)), key=lambda s: s["t0"]):
+            n = seen[label["name"]] = seen.get(label["name"], -1) + 1
+            calls = occurrences.setdefault(label["name"], [])
+            while len(calls) <= n:
+                calls.append([])
+            calls[n] += _starting_inside(comm, starts, label)
+    return {name: [sum(transfers([c for c in call if is_send(c["name"])], [c for c in call if is_recv(c["name"])]))
+                   for call in calls] for name, calls in occurrences.items()}
 
 
 def merge(traces: Mapping[int, Mapping]) -> dict:

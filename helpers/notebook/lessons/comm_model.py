@@ -11,7 +11,8 @@ statistic. :func:`fits` fits ``time = alpha + bytes / bandwidth`` per collective
 (:func:`helpers.calc.comm.fit_alpha_beta`) and keeps the points for the per-range model
 (:func:`helpers.calc.comm.local_seconds`) at every idle time swept (:func:`helpers.calc.comm.idle_seconds`).
 :func:`calls_of` lists a traced run's collectives from the course's byte formulas (DDP's buckets, FSDP2's
-per-layer gathers and reductions, TP's 4 all-reduces per layer, ZeRO-1/2's gradient, norm and partitions);
+per-layer gathers and reductions, TP's 4 all-reduces per layer, ZeRO-1/2's gradient, norm and partitions, a
+two-stage pipeline's activations and gradients, each priced as the sweep's one-way ``send``);
 :func:`residuals` prices them at the idle time they followed in the trace
 (:func:`helpers.calc.traces.idle_before`) and sets them beside what the trace timed
 (:func:`helpers.calc.traces.fastest_costs`).
@@ -38,6 +39,7 @@ from ..checks import claim
 from .step import LAYERS, rows
 
 LABEL = "sweep "
+ONE_WAY = LABEL + "send "  # the sweep's one-way messages (course/collective_sweep.py's "send")
 RING_RS = 0.5   # on a ring, a reduce-scatter of S bytes sends half an all-reduce's bytes (helpers/calc/tp.py)
 LARGE = 2 ** 20  # from this message size up, bandwidth dominates the latency (alpha is about 0.2 ms here)
 WITHIN = 0.25  # how near the model a configuration is counted (a reading: see claim_residuals)
@@ -45,13 +47,22 @@ WITHIN = 0.25  # how near the model a configuration is counted (a reading: see c
 
 def _calls(sweep) -> dict[tuple[str, float], dict[int, list[float]]]:
     """{(collective, idle ms): {message bytes: each call's cost}} from the sweep's ``sweep <op> <bytes>`` spans
-    (idle 0: back to back) and ``sweep <op> <bytes> gap <ms>`` spans (each call after that long idle)."""
-    out: dict[tuple[str, float], dict[int, list[float]]] = {}
-    for label, calls in calc.labelled_costs(traces.spans(sweep), LABEL).items():
-        _, op, size, *gap = label.split()
-        idle = float(gap[1]) if gap else 0.0
-        out.setdefault((op, idle), {})[int(size)] = calls
-    return out
+    (idle 0: back to back) and ``sweep <op> <bytes> gap <ms>`` spans (each call after that long idle); read once per
+    sweep (its spans are :func:`helpers.notebook.traces.spans`'s, parsed once per set of trace files)."""
+    spans = traces.spans(sweep)
+    if _read.get("spans") is not spans:
+        out: dict[tuple[str, float], dict[int, list[float]]] = {}
+        # a one-way send is read as a transfer (its receive's end from the later start): only two ranks take part
+        read = calc.labelled_costs(spans, LABEL) | calc.labelled_transfers(spans, ONE_WAY)
+        for label, calls in read.items():
+            _, op, size, *gap = label.split()
+            idle = float(gap[1]) if gap else 0.0
+            out.setdefault((op, idle), {})[int(size)] = calls
+        _read.update(spans=spans, calls=out)
+    return _read["calls"]
+
+
+_read: dict = {}  # the last sweep's spans and what _calls read from them (fits reads them once per idle time)
 
 
 def _cost(calls: list[float], block: int | None) -> float:
@@ -132,6 +143,8 @@ def calls_of(run) -> list[tuple[str, float]]:
         return []  # one rank: DDP, FSDP2, TP and ZeRO call no collective
     if r.get("framework") == "deepspeed":
         return deepspeed_calls(run)
+    if r.get("framework") == "pp":
+        return pipeline_calls(run)
     if r.get("framework") == "tp":
         g = r["gpt"]
         calls = sum(sum(phase.values()) for phase in r["tp_comm_calls"].values())
@@ -167,6 +180,30 @@ def deepspeed_calls(run) -> list[tuple[str, float]]:
             [("all_gather", params * 4 / n)])
 
 
+def pipeline_calls(run) -> list[tuple[str, float]]:
+    """A two-stage pipeline's messages per step per rank (notebook 10's ``course/gpt_pp.py``, fp32, one stage per
+    rank): stage 0 sends each micro-batch's activations to stage 1 and receives its gradient back, so each rank
+    receives one ``micro-batch x seq_len x d_model`` tensor per micro-batch (priced as the sweep's one-way
+    ``send``). Other layouts raise a ValueError: gloo's send and receive spans name no peer, so beyond two ranks
+    the trace cannot say which message is which."""
+    r = run.result
+    if r["pp_num_stages"] != 2 or r["world_size"] != 2:
+        raise ValueError(f"{r['pp_num_stages']} stages on {r['world_size']} ranks: a pipeline is priced at two stages, "
+                         "one per rank, where each receive's sender is the other rank")
+    if r.get("dtype", "fp32") != "fp32":
+        raise ValueError(f"priced in fp32 only, this run trained in {r['dtype']}")
+    g, micro = r["gpt"], r["global_batch"] // r["pp_microbatches"]
+    return [("send", micro * g["seq_len"] * g["d_model"] * 4)] * r["pp_microbatches"]
+
+
+def measured_costs(run, block: int | None = None) -> list[float]:
+    """What a run's trace timed per step and rank, each call at its fastest (:func:`helpers.calc.traces.fastest_costs`);
+    for a pipeline, each received message's transfer (:func:`helpers.calc.traces.transfer_costs`)."""
+    if run.result.get("framework") == "pp" and run.result["world_size"] > 1:
+        return calc.transfer_costs(traces.spans(run), block)
+    return calc.fastest_costs(traces.spans(run), block)
+
+
 def residuals(model: dict, runs: dict, block: int | None = None) -> list[dict]:
     """Per run: its collectives priced by the fitted line (``line``), by each size range's own line back to back
     (``warm``, :func:`helpers.calc.comm.local_seconds`) and after as long idle as they followed in the trace
@@ -184,7 +221,7 @@ def residuals(model: dict, runs: dict, block: int | None = None) -> list[dict]:
         line = comm.predict_calls(model, calls) if calls else 0.0
         warm = comm.predict_calls(model, calls, local=True) if calls else 0.0
         predicted = comm.predict_calls(model, calls, idle=idle) if calls else 0.0
-        measured = sum(calc.fastest_costs(spans, block))
+        measured = sum(measured_costs(run, block))
         steps = rows(run)
         hidden = [r["hidden"] for r in steps if r["hidden"] is not None]
         lengths = [r["span"] for r in steps]

@@ -69,14 +69,26 @@ class Settings:
 
     def zero3_args(self) -> list:
         """course/ds_cifar10.py (notebook 03's script) at ZeRO stage 3 on generated images, :attr:`short` steps
-        profiled."""
+        profiled, evaluated on 256 test images as :meth:`zero_args`."""
         return ["--stage", 3, "--steps", 5 + self.short, "--skip-steps", 5, "--profile-steps", self.short,
-                "--dataset", "synthetic", "--train-size", 2000]
+                "--dataset", "synthetic", "--train-size", 2000, "--test-size", 256]
 
     def zero_args(self, stage: int) -> list:
-        """course/ds_cifar10.py at ZeRO ``stage`` on generated images, :attr:`short` steps profiled."""
+        """course/ds_cifar10.py at ZeRO ``stage`` on generated images, :attr:`short` steps profiled (256 test images:
+        the chapter reads the trace, not the accuracy, and 10,000 took 3 s of every launch)."""
         return ["--stage", stage, "--steps", 5 + self.short, "--skip-steps", 5, "--profile-steps", self.short,
-                "--dataset", "synthetic", "--train-size", 2000]
+                "--dataset", "synthetic", "--train-size", 2000, "--test-size", 256]
+
+    @property
+    def pp_nproc(self) -> int:
+        """The pipeline runs on two stages whatever NPROC (one process at NPROC=1): gloo's send and receive spans
+        name no peer, and only between two ranks is each message's sender known."""
+        return min(self.nproc, 2)
+
+    def pp_args(self) -> list:
+        """course/gpt_pp.py (notebook 10's script, its defaults: 1F1B, 4 micro-batches), :attr:`short` steps
+        profiled."""
+        return ["--steps", 3 + self.short, "--skip-steps", 3, "--profile-steps", self.short]
 
     def tp_args(self) -> list:
         """course/gpt_tp.py (notebook 09's script, its defaults), :attr:`short` steps profiled."""
@@ -366,3 +378,17 @@ def claim_tp(run, cfg: Settings) -> None:
     if cfg.nproc > 1:
         claim("and the main thread waits for each one (a wait_tensor span per all-reduce): the next operator needs "
               "its result", waits == per_step, measured=f"{sorted(set(waits))} waits per step")
+
+
+def claim_pp(run, cfg: Settings) -> None:
+    """A two-stage pipeline's point-to-point messages in the trace: per step, stage 0 sends each micro-batch's
+    activations and receives its gradient, stage 1 the reverse; and every message's transfer is read from its
+    send and its receive (:func:`helpers.calc.traces.transfer_costs`)."""
+    micro = run.result["pp_microbatches"]
+    if run.result["world_size"] == 1:
+        print("NPROC=1: one process holds the whole GPT; no stage sends anything.")
+        return
+    counts = [(c.get("gloo:send", 0), c.get("gloo:recv", 0)) for c in comm_names(run)]
+    claim(f"each of the 2 stages sends {micro} tensors and receives {micro} per step, one per micro-batch: "
+          "activations forward, their gradients back", set(counts) == {(micro, micro)},
+          measured=f"(sends, receives) per rank {counts}")
