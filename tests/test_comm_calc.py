@@ -67,3 +67,18 @@ def test_a_collective_is_priced_at_the_idle_time_it_followed():
         comm.idle_seconds(sizes, {}, 1e6, 1)
     with pytest.raises(ValueError, match="idle"):
         comm.idle_seconds(sizes, by_idle, 1e6, -1)
+
+
+def test_no_size_costs_more_than_a_larger_one():
+    # a spike at 128 KiB (0.97 ms, between 0.33 and 0.40 ms) is priced at the 256 KiB cost; the order of the
+    # points does not matter, and a curve that already rises is left as it is
+    sizes = [2 ** 16, 2 ** 17, 2 ** 18, 2 ** 19]
+    assert comm.never_cheaper(sizes, [0.33, 0.97, 0.40, 0.46]) == [0.33, 0.40, 0.40, 0.46]
+    assert comm.never_cheaper(sizes[::-1], [0.46, 0.40, 0.97, 0.33]) == [0.46, 0.40, 0.40, 0.33]
+    assert comm.never_cheaper(sizes, [1.0, 2.0, 3.0, 4.0]) == [1.0, 2.0, 3.0, 4.0]
+    # the price of a 147 KiB message, by the line through its two neighbours, before and after
+    spiked = comm.local_seconds(sizes, [0.33, 0.97, 0.40, 0.46], 147 * 1024)
+    capped = comm.local_seconds(sizes, comm.never_cheaper(sizes, [0.33, 0.97, 0.40, 0.46]), 147 * 1024)
+    assert spiked > 0.85 and capped == pytest.approx(0.40)
+    with pytest.raises(ValueError, match="sizes but"):
+        comm.never_cheaper(sizes, [1.0])

@@ -540,3 +540,17 @@ def test_the_sweeps_one_way_send_is_read_from_its_hand_off_to_the_receives_end()
                            2: {"traceEvents": [event("sweep send 8", 0, 300)]}})  # a third rank takes no part
     assert calc.labelled_transfers(spans, "sweep send ") == {"sweep send 8": [pytest.approx(230e-6)]}
     assert calc.labelled_costs(spans, "sweep send ")["sweep send 8"] == [0.0]  # why it is not read as a collective
+
+
+def test_a_size_the_sweep_timed_slower_than_a_larger_one_is_priced_at_the_larger(tmp_path):
+    events, t = [], 0.0
+    for size, dur in ((2 ** 17, 970.0), (2 ** 18, 400.0), (2 ** 19, 460.0)):  # us: 128 KiB slowed by something
+        for label in (f"sweep all_reduce {size}", f"sweep all_reduce {size} gap 30"):
+            for _ in range(3):
+                events += [event(label, t, dur + 20), event("gloo:all_reduce", t + 10, dur, tid=2)]
+                t += dur + 100
+    model = comm_model.fits(FakeRun(tmp_path, "spike", {0: events, 1: events}, {}))
+    assert model["all_reduce"]["seconds"][0] == pytest.approx(970e-6)  # the measurement is kept as timed
+    call = [("all_reduce", 147 * 1024)]  # between 128 and 256 KiB: priced at the 256 KiB cost, not near 0.9 ms
+    assert comm.predict_calls(model, call, local=True) == pytest.approx(400e-6)
+    assert comm.predict_calls(model, call, idle=10.0) == pytest.approx(400e-6)

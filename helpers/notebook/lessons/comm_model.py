@@ -300,8 +300,9 @@ def claim_residuals(model: dict, table: list[dict], sweep, cfg) -> None:
 
     Then how many configurations the trace puts within :data:`WITHIN` of the model, printed as a reading and not
     claimed. On this 2-core machine, over three runs of the chapter and five of its runs alone, the count went
-    from 3 to 7: FSDP2's three rows moved together between 0.9 and 1.4, ZeRO-1's between 1.0 and 1.65, each run
-    meeting its own background load."""
+    from 3 to 7 of 9: FSDP2's three rows moved together between 0.9 and 1.4, ZeRO-1's between 1.0 and 1.65, each
+    run meeting its own background load. Four more, one after another on a quiet machine with the pipeline's row
+    (2026-12-04): 9, 3, 5 and 5 of 10; four sweeps minutes apart timed the same 4 MiB all-reduce at 1.6 to 3.0 ms."""
     priced = {t["config"]: t for t in table if t["ratio"] is not None}
     if not priced:
         return  # one rank: claim_model's claim
