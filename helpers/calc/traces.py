@@ -17,7 +17,10 @@ What is what, by name:
   DTensors wait inside the operator that first reads the result, an ``aten::add`` say; FSDP2's ``FSDP::all_gather``
   and ``FSDP::post_backward_reduce``, inside the autograd functions of its hooks): :func:`compute` takes these out of
   the operators around them, since a thread that waits computes nothing;
-* **steps**: the ``ProfilerStep#k`` spans the profiler puts around each profiled step of the main thread.
+* **steps**: the ``ProfilerStep#k`` spans the profiler puts around each profiled step of the main thread;
+* **messages**: a point-to-point send is handed to the backend by ``c10d::send`` and arrives at the end of the
+  receiver's ``gloo:recv`` (``nccl:recv``) span; neither span names the other rank, so :func:`transfer_costs` pairs
+  them between two ranks only.
 
 Per step and rank (:func:`step_split`): ``compute`` and ``comm`` are the lengths of the union of their spans inside
 the step; ``exposed`` is the communication time during which no compute ran: what the step would lose if nothing
