@@ -11,8 +11,9 @@ cost; the median over the calls is what the row reports. Message sizes follow th
 (helpers/calc/comm.py): the whole tensor for all_reduce, reduce_scatter and broadcast, this rank's shard for
 all_gather, the message for send_recv (every rank sends to the next and receives from the one before: both
 directions at once) and for send (rank 0 to rank 1 only, one way, as a pipeline stage hands over its activations;
-its cost is the receiver's, the others idle). With --gaps-ms, each size is timed again with every call after that long without
-communication, as a step's collective follows its compute (notebook 11 prices each one at the pause it followed).
+its cost is the receiver's, the others idle). With --gaps-ms, each size is timed again with every call after that
+long without communication, as a step's collective follows its compute (notebook 11 prices each one at the pause it
+followed).
 course/allreduce_bench.py (notebook 00) is the all-reduce alone, nccl-tests style.
 """
 import argparse

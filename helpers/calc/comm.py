@@ -130,16 +130,17 @@ def predict_calls(fits: dict, calls: list[tuple[str, float]], local: bool = Fals
     ``seconds`` the fit was made from, or with ``idle`` (ms) by :func:`idle_seconds` on the ``by_idle`` times
     kept beside them. Those two price each size at no more than any larger size (:func:`never_cheaper`); the
     measurements themselves are left as they were timed. A KeyError names a collective with no model."""
-    missing = sorted({op for op, _ in calls} - set(fits))
+    ops = {op for op, _ in calls}
+    missing = sorted(ops - set(fits))
     if missing:
         raise KeyError(f"no alpha-beta model for {', '.join(missing)}: sweep it first (course/collective_sweep.py)")
+    # each collective's costs capped once, not once per call
     if idle is not None:
-        return sum(idle_seconds(fits[op]["sizes"], {g: never_cheaper(fits[op]["sizes"], t)
-                                                    for g, t in fits[op]["by_idle"].items()}, size, idle)
-                   for op, size in calls)
+        by_idle = {op: {g: never_cheaper(fits[op]["sizes"], t) for g, t in fits[op]["by_idle"].items()} for op in ops}
+        return sum(idle_seconds(fits[op]["sizes"], by_idle[op], size, idle) for op, size in calls)
     if local:
-        return sum(local_seconds(fits[op]["sizes"], never_cheaper(fits[op]["sizes"], fits[op]["seconds"]), size)
-                   for op, size in calls)
+        seconds = {op: never_cheaper(fits[op]["sizes"], fits[op]["seconds"]) for op in ops}
+        return sum(local_seconds(fits[op]["sizes"], seconds[op], size) for op, size in calls)
     return sum(predict_seconds(fits[op], size) for op, size in calls)
 
 

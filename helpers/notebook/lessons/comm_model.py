@@ -47,22 +47,15 @@ WITHIN = 0.25  # how near the model a configuration is counted (a reading: see c
 
 def _calls(sweep) -> dict[tuple[str, float], dict[int, list[float]]]:
     """{(collective, idle ms): {message bytes: each call's cost}} from the sweep's ``sweep <op> <bytes>`` spans
-    (idle 0: back to back) and ``sweep <op> <bytes> gap <ms>`` spans (each call after that long idle); read once per
-    sweep (its spans are :func:`helpers.notebook.traces.spans`'s, parsed once per set of trace files)."""
+    (idle 0: back to back) and ``sweep <op> <bytes> gap <ms>`` spans (each call after that long idle)."""
     spans = traces.spans(sweep)
-    if _read.get("spans") is not spans:
-        out: dict[tuple[str, float], dict[int, list[float]]] = {}
-        # a one-way send is read as a transfer (its receive's end from the later start): only two ranks take part
-        read = calc.labelled_costs(spans, LABEL) | calc.labelled_transfers(spans, ONE_WAY)
-        for label, calls in read.items():
-            _, op, size, *gap = label.split()
-            idle = float(gap[1]) if gap else 0.0
-            out.setdefault((op, idle), {})[int(size)] = calls
-        _read.update(spans=spans, calls=out)
-    return _read["calls"]
-
-
-_read: dict = {}  # the last sweep's spans and what _calls read from them (fits reads them once per idle time)
+    out: dict[tuple[str, float], dict[int, list[float]]] = {}
+    # a one-way send is read as a transfer (its receive's end from the later start): only two ranks take part
+    for label, calls in (calc.labelled_costs(spans, LABEL) | calc.labelled_transfers(spans, ONE_WAY)).items():
+        _, op, size, *gap = label.split()
+        idle = float(gap[1]) if gap else 0.0
+        out.setdefault((op, idle), {})[int(size)] = calls
+    return out
 
 
 def _cost(calls: list[float], block: int | None) -> float:
@@ -92,13 +85,13 @@ def fits(sweep, block: int | None = None) -> dict[str, dict]:
     at all of them (0 among them)}, the costs read by :func:`costs` (``block``: the profiled steps the
     predictions will be compared with)."""
     out = {}
-    idles = sorted({gap for _, gap in _calls(sweep)})
-    for op, by_size in costs(sweep, block).items():
+    by_idle = {idle: costs(sweep, block, idle) for idle in sorted({gap for _, gap in _calls(sweep)})}
+    for op, by_size in by_idle[0.0].items():
         sizes = sorted(by_size)
         out[op] = dict(comm.fit_alpha_beta(sizes, [by_size[s] for s in sizes]), sizes=sizes,
                        seconds=[by_size[s] for s in sizes], by_idle={})
-        for idle in idles:
-            at = costs(sweep, block, idle).get(op, {})
+        for idle, every in by_idle.items():
+            at = every.get(op, {})
             if all(s in at for s in sizes):
                 out[op]["by_idle"][idle] = [at[s] for s in sizes]
     return out
