@@ -4,12 +4,17 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.course-installed
 PROFILE ?= auto
-NBVAL   := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 600
+# A hang fails within 3 minutes anywhere in CI: a notebook cell (nbval's timeout), a test (pytest-timeout), and
+# each launch has its own stall and wall-clock limits below those
+HANG_S  := 180
+NBVAL   := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout $(HANG_S)
+# Each tier writes JUnit XML (per-test seconds) under build/junit/; tests/timings.py turns them into one table
+JUNIT   := build/junit
 
 # The fast tier (make check): every test not marked slow, browser or slurm, and the one real launch marked smoke
 FAST    := (not slow and not browser and not slurm) or smoke
 
-.PHONY: setup course check test unit slow nbtest matrix lab lab-zh regen translate bench clean
+.PHONY: setup course check test tiers unit slow nbtest timings record matrix lab lab-zh regen translate bench clean
 
 setup: $(STAMP)
 
@@ -29,20 +34,37 @@ course: setup          ## execute every notebook into build/notebooks and print 
 
 check: setup           ## fast tier (< 5 min): import contracts, calculations, refusals, one real launch, drift
 	$(VENV)/bin/lint-imports --no-cache   # the layers of helpers (pyproject.toml)
-	$(PY) -m pytest tests -q -m "$(FAST)"
+	$(PY) -m pytest tests -q -m "$(FAST)" --timeout $(HANG_S) --junitxml=$(JUNIT)/fast.xml
 
-test: unit nbtest      ## everything (CI): the fast tier, the slow tests, then nbval on the committed notebooks
+# everything (CI): the fast tier, the slow tests, then nbval on the committed notebooks; then, pass or fail, the table
+# of where the time went (tests/timings.py), which CI prints
+test:                  ## everything (CI), then the table of where its time went
+	@rm -rf $(JUNIT)
+	@status=0; $(MAKE) --no-print-directory tiers || status=$$?; \
+	  $(PY) tests/timings.py || true; exit $$status
+
+tiers: unit nbtest
 
 # every test once: the fast tier, then the rest
 unit: check slow
 
 slow: setup            ## the tests beyond the fast tier: real multi-process launches, faults, browser, SLURM
-	$(PY) -m pytest tests -q -m "not ($(FAST))"
+	$(PY) -m pytest tests -q -m "not ($(FAST))" --timeout $(HANG_S) --junitxml=$(JUNIT)/slow.xml
 
-# no live progress bars: the committed outputs have none (helpers/launch/session.py). The English notebooks only:
+# no live progress bars: the committed outputs have none (helpers/launch/session.py). Each notebook is held to its
+# syllabus timeout (tests/nbval_timeouts.py), each cell to HANG_S. The English notebooks only:
 # notebooks/zh/ holds the same cells and outputs (tests/test_translations.py proves it), so nbval runs once.
 nbtest: setup
-	HELPERS_OUTPUT=saved $(PY) -m pytest $(NBVAL) notebooks/[0-9]*.ipynb -q -p no:cacheprovider
+	HELPERS_OUTPUT=saved PYTHONPATH=tests $(PY) -m pytest $(NBVAL) -p nbval_timeouts notebooks/[0-9]*.ipynb -q \
+	  -p no:cacheprovider --junitxml=$(JUNIT)/nbval.xml
+
+timings:               ## the table of the last `make test`'s seconds: per tier, the slowest tests, every notebook
+	@$(PY) tests/timings.py
+
+# The outcomes fast tests replay (tests/recorded.py): a checker's wrong answers, the pipeline-schedule matrix. Each
+# is re-launched for real and stored with a hash of its inputs; run it when a fast test says "stale" (a few minutes).
+record: setup          ## re-launch and store the recorded outcomes that fast tests replay (tests/recorded/)
+	RECORD_RUNS=1 $(PY) -m pytest tests -q -p no:cacheprovider $(RECORD)
 
 # Not part of `make test` or CI (about 35 minutes on a 2-core CPU): every notebook at NPROC 1, 2, 3, and 4 for the
 # sharding chapters (the counts live in helpers/notebook/matrix.py), into build/matrix/<nproc>/.

@@ -122,3 +122,28 @@ def test_every_lesson_cell_is_short(chapter):
 
     assert long_cells(_load(chapter)) == [], \
         f"code cells over {MAX_CELL_LINES} non-blank lines ({MAX_EXERCISE_LINES} for exercise-write): move their logic into the chapter's lesson module"
+
+
+def test_nbval_stops_a_notebook_that_runs_past_its_syllabus_timeout(monkeypatch):
+    """tests/nbval_timeouts.py: a notebook's cells are timed as nbval runs them; once their sum passes the notebook's
+    timeout_s, its next cell fails at once, naming the limit, and other notebooks are not affected."""
+    import types
+
+    import nbval_timeouts as plugin
+
+    chapter = CHAPTERS[0]
+    cell = types.SimpleNamespace(path=chapter.path)
+    other = types.SimpleNamespace(path=CHAPTERS[1].path)
+    monkeypatch.setattr(plugin, "SPENT", {})
+    clock = iter([0.0, chapter.timeout_s - 1.0, 100.0, 102.5])
+    monkeypatch.setattr(plugin.time, "monotonic", lambda: next(clock))
+    for _ in range(2):  # two cells: timeout_s - 1 seconds, then 2.5 more
+        plugin.pytest_runtest_setup(cell)
+        wrapper = plugin.pytest_runtest_call(cell)
+        next(wrapper)
+        with pytest.raises(StopIteration):
+            next(wrapper)
+    assert plugin.SPENT[chapter.file] == pytest.approx(chapter.timeout_s + 1.5)
+    with pytest.raises(pytest.fail.Exception, match=f"past its syllabus timeout of {chapter.timeout_s} s"):
+        plugin.pytest_runtest_setup(cell)
+    plugin.pytest_runtest_setup(other)  # the next notebook starts as usual
