@@ -32,14 +32,14 @@ def test_the_reference_solution_passes_on_two_ranks():
     assert verdict, verdict
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("body, needle", [
-    ("for block in blocks:\n        checkpoint(block, x, use_reentrant=False)\n    return x", "assign it"),
+    pytest.param("for block in blocks:\n        checkpoint(block, x, use_reentrant=False)\n    return x", "assign it",
+                 marks=pytest.mark.slow),
     ("for block in blocks:\n        x = checkpoint(block, x, use_reentrant=True)\n    return x", "use_reentrant=False"),
     ("for block in blocks:\n        x = block(x)\n    return x", "Wrap each block"),
     ("def all_of_them(x):\n        for block in blocks:\n            x = block(x)\n        return x\n"
      "    return checkpoint(all_of_them, x, use_reentrant=False)", "One checkpoint per block"),
 ])
-def test_each_classic_mistake_gets_its_hint(body, needle):
+def test_each_classic_mistake_gets_its_hint(body, needle, exercise_ranks):
     verdict = write.check_checkpointing("def run_blocks(blocks, x):\n    " + body + "\n")
     assert not verdict and needle in verdict.hint, verdict

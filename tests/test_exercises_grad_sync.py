@@ -4,6 +4,7 @@ ranks) and each classic mistake gets its own hint."""
 import pytest
 
 from helpers.notebook.exercises import write, write_trace
+from recorded import mistakes
 
 SOLUTION = write.solution("average_gradients")
 MISTAKES = {  # (text in the solution, what a learner writes instead, words of the hint)
@@ -27,16 +28,14 @@ def test_the_outline_is_answered_without_a_launch(monkeypatch):
     assert not verdict and "nothing was launched" in verdict.message
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_the_reference_passes(nproc):
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_the_reference_passes(nproc, exercise_ranks):
     verdict = write.check_grad_sync(SOLUTION, nproc=nproc)
     assert verdict and "one all-reduce" in verdict.message, verdict
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_each_grad_sync_mistake_gets_its_hint(mistake):
+@pytest.mark.parametrize("mistake", mistakes(MISTAKES, launched="the sum, not the mean"))
+def test_each_grad_sync_mistake_gets_its_hint(mistake, exercise_ranks):
     old, new, hint = MISTAKES[mistake]
     assert old in SOLUTION
     verdict = write.check_grad_sync(SOLUTION.replace(old, new), nproc=2)

@@ -5,6 +5,7 @@ import pytest
 
 from helpers.calc import pipeline
 from helpers.notebook.exercises import write, write_pp
+from recorded import mistakes
 
 
 def test_the_right_bubble_passes_and_each_slip_gets_its_hint():
@@ -49,9 +50,8 @@ def test_the_reference_passes():
     assert verdict, verdict
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_each_1f1b_mistake_gets_its_hint(mistake):
+@pytest.mark.parametrize("mistake", mistakes(MISTAKES, launched="GPipe's order"))
+def test_each_1f1b_mistake_gets_its_hint(mistake, exercise_ranks):
     old, new, hint = MISTAKES[mistake]
     assert old in SOLUTION
     verdict = write.check_1f1b_order(SOLUTION.replace(old, new), nproc=2)

@@ -4,6 +4,7 @@ import pytest
 
 from helpers.calc import tp
 from helpers.notebook.exercises import write, write_tp
+from recorded import mistakes
 
 SIZE = dict(n_layer=2, batch=8, seq_len=1024, d_model=4096, tp_degree=8, bytes_per_element=2)
 RIGHT = tp.activation_bytes_per_step(2, 8, 1024, 4096, 8, False, 2)
@@ -44,8 +45,7 @@ MISTAKES = {  # (text in the solution, what a learner writes instead, words of t
 }
 
 
-@pytest.mark.slow
-def test_whole_weights_are_named_as_unsharded():
+def test_whole_weights_are_named_as_unsharded(exercise_ranks):
     whole = SOLUTION.replace("torch.tensor_split(w1, world, 0)[rank].clone()", "w1.clone()").replace(
         "torch.tensor_split(w2, world, 1)[rank].clone()", "w2.clone()")
     verdict = write.check_tp_linears(whole, nproc=2)
@@ -58,9 +58,8 @@ def test_the_reference_passes():
     assert verdict, verdict
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_each_tp_mistake_gets_its_hint(mistake):
+@pytest.mark.parametrize("mistake", mistakes(MISTAKES, launched="no all-reduce in g's forward"))
+def test_each_tp_mistake_gets_its_hint(mistake, exercise_ranks):
     old, new, hint = MISTAKES[mistake]
     assert old in SOLUTION
     verdict = write.check_tp_linears(SOLUTION.replace(old, new), nproc=2)
