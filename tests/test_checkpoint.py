@@ -216,14 +216,3 @@ def test_writer_killed_mid_write_leaves_the_previous_snapshot_loadable(tmp_path,
     save_snapshot({"step": 15}, tmp_path, 15)
     assert not list(tmp_path.glob("*.tmp"))
     assert [snapshot_step(p) for p in list_snapshots(tmp_path)] == [5, 15]
-
-
-@pytest.mark.slow
-def test_a_plain_torch_save_killed_mid_write_leaves_a_torn_snapshot(tmp_path):
-    """Why save_atomic exists: writing in place, a crash leaves a file with the snapshot's name that cannot load."""
-    _previous_snapshot(tmp_path)
-    _kill_writer_mid_write(tmp_path, "plain")
-    torn = snapshot_path(tmp_path, 10)
-    assert torn.exists() and latest_snapshot(tmp_path) == torn  # the newest name is now garbage
-    with pytest.raises(Exception):
-        load_snapshot(torn)

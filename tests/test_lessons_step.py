@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
@@ -438,24 +436,6 @@ def test_the_residual_table_prices_by_range_and_reads_the_fastest_instances(tmp_
 
 
 @pytest.mark.slow
-def test_the_six_modes_run_and_their_traces_back_every_claim_at_two_ranks(runs_root, capsys):
-    from helpers import launch
-
-    cfg = lesson.resolve("smoke", 2, 2)
-    runs = {mode: launch.torchrun(lesson.SCRIPT, nproc=2, args=cfg.args(mode), name="t_" + mode, show="none",
-                                  timeout=300) for mode in lesson.MODES}
-    # DDP's own record of its buckets (the private _get_ddp_logging_data, pinned here): one per 4 MiB layer
-    assert runs["buckets"].result["ddp_buckets"] == [LAYER] * 8
-    assert runs["one-bucket"].result["ddp_buckets"] == [8 * LAYER]
-    lesson.claim_buckets(runs, cfg)
-    lesson.claim_fsdp(runs, cfg)
-    got = verdicts(capsys)
-    assert len(got) == 5 and all(got.values()), got
-    for mode, run in runs.items():
-        assert len(lesson.rows(run)) == 2 * cfg.profiled, mode  # 2 ranks x the profiled steps
-
-
-@pytest.mark.slow
 def test_the_traced_sweep_prices_every_collective(runs_root):
     from helpers import launch
 
@@ -474,9 +454,11 @@ def test_the_traced_sweep_prices_every_collective(runs_root):
     assert len(one_way) == 4 and all(len(v) == 3 and min(v) > 0 for v in one_way.values())
     assert sorted({len(v) for k, v in labels.items() if "gap" in k}) == [2] and \
         sorted({len(v) for k, v in labels.items() if "gap" not in k}) == [3]
-    bad = subprocess.run([sys.executable, "course/collective_sweep.py", "--gaps-ms", "0"], capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 2 and "positive number of milliseconds" in bad.stderr  # refused before any rank starts
+
+
+def test_the_sweep_refuses_a_gap_that_is_not_positive_before_any_rank_starts(refused_in_rank, capsys):
+    assert refused_in_rank("course/collective_sweep.py", ["--gaps-ms", "0"]) == "2"  # argparse's usage error
+    assert "positive number of milliseconds" in capsys.readouterr().err
 
 
 def pp_step(t0: float, rank: int, late: float = 0.0, recvs: int = 4) -> list[dict]:

@@ -1,5 +1,6 @@
 """Pipeline parallelism: the formulas and measurements of helpers/calc/pipeline.py, the launch rules of
-course/gpt_pp.py, the stopwatch's hold on torch's PipelineStage, and the script on real gloo ranks."""
+course/gpt_pp.py, the stopwatch's hold on torch's PipelineStage, and the script's own refusal (notebook 10 runs it on
+real gloo ranks under nbval; tests/test_pp_schedules.py runs every schedule)."""
 from __future__ import annotations
 
 import pytest
@@ -136,41 +137,12 @@ def test_the_stopwatch_wraps_methods_torch_pipeline_stages_have():
     assert list(inspect.signature(_PipelineStageBase.backward_one_chunk).parameters)[3] == "full_backward"
 
 
-# ---------------------------------------------------------------------------------------------- real ranks
+# ---------------------------------------------------------------------------------------------- the script's refusal
 
 
-@pytest.mark.slow
-def test_the_script_refuses_the_same_input_inside_its_ranks_from_a_terminal(tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),
-                          "--microbatches", "3", "--steps", "1"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode != 0 and "--microbatches 3 does not divide --batch-size 8" in out.stderr + out.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbv"])
-def test_the_timeline_holds_every_action_and_the_loss_reaches_rank_0(runs_root, schedule):
-    p, m, steps = 2, 4, 3
-    run = launch.torchrun(SCRIPT, nproc=p, show="none", timeout=300, stall_timeout=90,
-                          args=["--schedule", schedule, "--microbatches", str(m), "--steps", str(steps),
-                                "--skip-steps", "0", "--d-model", "32", "--seq-len", "32"])
-    by_rank = run.results_by_rank()
-    zb = schedule == "zbv"
-    for rank, res in by_rank.items():
-        acts = res["pp_timeline"]
-        for stage in res["pp_stages"]:
-            for step in range(1, steps + 1):
-                for kind in ("F", "I", "W") if zb else ("F", "B"):
-                    mbs = sorted(a[3] for a in acts if a[0] == step and a[2] == stage and a[1] == kind)
-                    assert mbs == list(range(m)), (rank, stage, step, kind, mbs)
-        assert all(0 <= a[4] <= a[5] for a in acts)
-        assert all(int(s) in res["pp_stages"] and b > 0 for s, b in res["pp_saved_bytes"].items())
-    assert run.result["pp_loss_rank"] == (0 if zb else p - 1)
-    losses = [s["loss"] for s in run.metrics if s.get("kind") == "step" and s["rank"] == 0]
-    assert len(losses) == steps and all(2.0 < x < 4.0 for x in losses)  # rank 0 logs the real loss, not a zero
+def test_the_script_refuses_the_same_input_inside_its_ranks_from_a_terminal(refused_in_rank):
+    stopped = refused_in_rank(SCRIPT, ["--microbatches", "3", "--steps", "1"])
+    assert "--microbatches 3 does not divide --batch-size 8" in stopped
 
 
 def test_torch_1f1b_action_list_numbers_the_last_stages_forwards_from_1():

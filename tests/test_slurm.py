@@ -4,7 +4,7 @@ a one-node SLURM cluster (tests/slurm_cluster.py) that this module starts and st
 Every job is the CPU rehearsal the templates' headers show: 2 CPU ranks (gloo), ``--gpus-per-node=0`` on the
 command line over the templates' GPU line, one OpenMP thread per rank, generated data. The torchrun runs all train
 the same job (2000 images, 2 epochs = 64 steps, a snapshot every 5 steps), so their final weights must agree bit for
-bit whatever happened in between (see tests/test_elastic.py for why bitwise holds on CPU):
+bit whatever happened in between (notebook 06 claims the same for an elastic restart, on CPU):
 
 * ``baseline``:  never interrupted.
 * ``killed``:    one worker is sent SIGKILL after the first snapshot; torchrun (--max-restarts 3) restarts both

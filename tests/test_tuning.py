@@ -1,5 +1,6 @@
-"""The tuning chapter's measurements: helpers.calc.schedules/comm, helpers.rank.state, helpers.notebook.results, and course/ddp_tuning.py, course/ds_tuning.py and
-course/ddp_accumulation_check.py launched for real on two CPU ranks (the slow tests)."""
+"""The tuning chapter's measurements: helpers.calc.schedules/comm, helpers.rank.state, helpers.notebook.results, and
+gradient clipping in course/ddp_tuning.py and course/ds_tuning.py (the latter under the `deepspeed` CLI) launched for
+real on two CPU ranks (the slow tests). Notebook 05 claims the rest of what those scripts do, under nbval."""
 import math
 
 import pytest
@@ -114,76 +115,6 @@ def _ds(args):
     return launch.deepspeed("course/ds_tuning.py", nproc=2, args=[*DATA, *args], timeout=TIMEOUT_S, show="none")
 
 
-def _losses(run, rank=0):
-    return [r["loss"] for r in metrics.steps(run.metrics, rank)]
-
-
-@slow
-def test_n_micro_batches_with_no_sync_give_the_big_batch_gradient_with_one_all_reduce(module_runs_root):
-    run = launch.torchrun("course/ddp_accumulation_check.py", nproc=2, timeout=TIMEOUT_S, show="none",
-                          args=["--micro-batches", "4", "--batch-size", "8"])
-    results = run.results_by_rank()
-    assert set(results) == {0, 1}
-    for r in results.values():
-        tol = parity.K * r["fp32_floor"]  # the big batch's fp32 gradient against its fp64 twin, in the same rank
-        assert 0 < r["fp32_floor"] < 1e-3 * r["grad_max_abs"]
-        assert r["no_sync_max_abs_diff"] <= tol and r["every_step_max_abs_diff"] <= tol
-        comm = r["comm"]
-        assert comm["no_sync"]["calls"] == comm["big batch"]["calls"] >= 1
-        assert comm["no_sync"]["bytes"] == comm["big batch"]["bytes"] == 4 * r["params"]  # fp32 gradients, once
-        assert comm["every step"]["bytes"] == 4 * comm["big batch"]["bytes"]
-
-
-def _one_process_losses(dtype, steps=5, accumulation=2, world=2, batch=16, lr=1e-3):
-    """Rank 0's losses of the 2-rank DDP run of course/ddp_tuning.py (AdamW, ``accumulation`` micro batches),
-    computed in one process on both ranks' batches: the same computation, in ``dtype``."""
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-    from helpers.rank import harness
-    from helpers.rank.data import get_datasets
-
-    torch.manual_seed(0)  # as the script: seed, data, model, then the loaders' first batch
-    train_ds = get_datasets("synthetic", "data", 1000, 100, 0)[0]
-    samplers = [DistributedSampler(train_ds, num_replicas=world, rank=r, shuffle=True, seed=0, drop_last=True)
-                for r in range(world)]
-    loaders = [harness.batches(DataLoader(train_ds, batch_size=batch, sampler=s), s) for s in samplers]
-    model = SimpleCNN().to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        rank0 = 0.0
-        for _micro in range(accumulation):
-            for r, loader in enumerate(loaders):
-                x, y = next(loader)
-                loss = F.cross_entropy(model(x.to(dtype)), y) / accumulation
-                (loss / world).backward()  # DDP averages the ranks' gradients
-                rank0 += loss.item() if r == 0 else 0.0
-        optimizer.step()
-        losses.append(rank0)
-    return losses
-
-
-@slow
-def test_ddp_and_deepspeed_fp32_runs_compute_the_same_losses(module_runs_root):
-    """Same seed, data, order and optimizer: only the engine differs (and DeepSpeed's default clipping is off).
-    Within parity.K floors, the floor being how far fp32 rounding moves the one-process replica from its fp64 twin."""
-    ddp = _ddp(["--steps", "5", "--accumulation", "2"])
-    ds = _ds(["--steps", "5", "--accumulation", "2", "--stage", "2", "--count-comms"])
-    one32, one64 = _one_process_losses(torch.float32), _one_process_losses(torch.float64)
-    floor = parity.floor(one32, one64)
-    for label, curve, reference in (("DDP vs one process", _losses(ddp), one32),
-                                    ("DeepSpeed ZeRO-2 vs DDP", _losses(ds), _losses(ddp))):
-        result = parity.check(curve, reference, floor)
-        print(f"{label}: {parity.describe(result)}")
-        assert result["ok"], f"{label}: {parity.describe(result)}"
-    assert ddp.result["global_batch"] == ds.result["global_batch"] == 16 * 2 * 2
-    # what each rank sends per optimizer step: DDP all-reduces the gradients once (no_sync on the first micro batch)
-    params = ddp.result["params"]
-    assert results.comm_per_step(ddp)["all_reduce"]["bytes"] == 4 * params
-    assert results.comm_per_step(ds)["total_sent_bytes"] > 0
-
-
 def _clip_floor(max_norm: float, batches: int = 3) -> float:
     """How far fp32 rounding moves ``||one clipped SGD step (lr 1)||`` from ``max_norm`` in this computation: the
     same step of SimpleCNN in fp32 and in fp64, in this process, on a few random batches of the tests' size; the
@@ -242,48 +173,3 @@ def test_deepspeed_gradient_clipping_bounds_the_applied_update(module_runs_root)
     assert metrics.steps(run.metrics, 0)[0]["grad_norm"] > 0.5
     moved, floor = _update_norm(run, save, load), _clip_floor(0.5)
     assert abs(moved - 0.5) <= parity.K * floor, f"moved {moved} vs 0.5: {abs(moved - 0.5) / floor:.3g} floors"
-
-
-@slow
-def test_warmup_rates_in_real_runs_follow_the_formulas(module_runs_root):
-    ddp = _ddp(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01"])
-    ds = _ds(["--steps", "6", "--warmup-steps", "3", "--lr", "0.01", "--stage", "1"])
-    for run, formula in ((ddp, schedules.torch_warmup_lr), (ds, schedules.deepspeed_warmup_lr)):
-        lrs = [r["lr"] for r in metrics.steps(run.metrics, 0)]
-        assert lrs == pytest.approx([formula(k, 0.01, 3) for k in range(6)])
-
-
-@slow
-def test_bf16_runs_on_cpu_autocast_keeps_fp32_states_and_deepspeed_stores_bf16_weights(module_runs_root):
-    ddp = _ddp(["--steps", "3", "--bf16"])
-    ds = _ds(["--steps", "3", "--bf16", "--stage", "2"])
-    assert ddp.result["dtype"] == "bf16-autocast" and ds.result["dtype"] == "bf16"
-    for run in (ddp, ds):
-        assert all(math.isfinite(x) for x in _losses(run))
-    p = ddp.result["params"]
-    assert ddp.result["model_state_bytes"]["params"] == 4 * p  # autocast: the weights stay fp32
-    assert ds.result["model_state_bytes"]["params"] == pytest.approx(2 * p, rel=1e-3)  # bf16 weights
-
-
-@slow
-def test_every_rank_reports_memory_and_step_time_each_step(module_runs_root):
-    run = _ddp(["--steps", "3", "--model", "memory", "--params", "1000000"])
-    for rank in (0, 1):
-        records = metrics.steps(run.metrics, rank)
-        assert [r["step"] for r in records] == [1, 2, 3]  # steps are numbered from 1 (helpers.rank.metrics)
-        assert all(r["rss_mib"] > 0 and r["step_s"] > 0 for r in records)
-    row = results.summary(run, "DDP")
-    assert row["model_states_mib"] * 2**20 == pytest.approx(16 * run.result["params"], rel=1e-3)
-    assert set(row["max_rss_mib_by_rank"]) == {0, 1}
-
-
-@slow
-def test_compiled_ddp_trains_like_eager(module_runs_root):
-    eager = _ddp(["--steps", "4"])
-    compiled = _ddp(["--steps", "4", "--compile"])
-    assert compiled.result["compiled"] is True
-    floor = parity.floor(_one_process_losses(torch.float32, steps=4, accumulation=1),
-                         _one_process_losses(torch.float64, steps=4, accumulation=1))
-    result = parity.check(_losses(compiled), _losses(eager), floor)  # fused kernels: another fp32 ordering
-    print(f"compiled vs eager: {parity.describe(result)}")
-    assert result["ok"], f"compiled vs eager: {parity.describe(result)}"

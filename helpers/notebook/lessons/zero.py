@@ -167,10 +167,13 @@ def memory_table(stage_runs: dict, params: int, nproc: int, dtype: str) -> list[
 
 
 def within_formula(row: dict) -> bool:
-    """Stages 0, 1, 3: measured / formula within 5%. Stage 2: at least the formula (a rank also keeps the whole
-    gradient of every parameter straddling its partition: :func:`zero2_gradient_bytes` predicts it)."""
-    ratio = row["ratio"]["total"]
-    return ratio >= 0.99 if row["stage"] == 2 else abs(ratio - 1) <= 0.05
+    """Stages 0, 1, 3: measured / formula within 5%, for the total and for each part (parameters, gradients,
+    optimizer states: each partitioned as the paper says). Stage 2: at least the formula (a rank also keeps the
+    whole gradient of every parameter straddling its partition: :func:`zero2_gradient_bytes` predicts it)."""
+    ratio = row["ratio"]
+    if row["stage"] == 2:
+        return ratio["total"] >= 0.99
+    return all(abs(ratio[part] - 1) <= 0.05 for part in ("total", "params", "grads", "optimizer"))
 
 
 def claim_memory(rows: list[dict], nproc: int) -> None:
