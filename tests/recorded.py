@@ -87,18 +87,13 @@ def source_digest(script: Path) -> str:
 
 def _source_digest(script: Path) -> str:
     """A hash of ``script`` and of every project module it imports, followed through their imports."""
-    seen: dict[str, Path] = {}
+    files: set[Path] = set()
     todo = [Path(script).resolve()]
-    files: dict[Path, None] = {}
     while todo:
         path = todo.pop()
-        if path in files:
-            continue
-        files[path] = None
-        for name in _imported(path):
-            if name not in seen:
-                seen[name] = _module_file(name)
-                todo.append(seen[name])
+        if path not in files:
+            files.add(path)
+            todo += [_module_file(name) for name in _imported(path)]
     return _digest("".join(f"{p.relative_to(ROOT)}\n{p.read_text()}" for p in sorted(files)))
 
 
