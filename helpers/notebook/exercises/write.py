@@ -245,6 +245,7 @@ def check_resumable(save_checkpoint, load_checkpoint, nproc: int = 2) -> Verdict
                                                                 (load_checkpoint, "load_checkpoint")))
     if is_stub(source, "save_checkpoint") or is_stub(source, "load_checkpoint"):
         return stub_verdict()
+    launch.runs_root().mkdir(parents=True, exist_ok=True)       # a fresh clone has no runs/ until something launches
     ckpt = Path(tempfile.mkdtemp(prefix="exercise-resume-", dir=launch.runs_root()))
     hang = _("Every rank reaches the same barriers: call save_checkpoint on every rank and let only rank 0 write; "
              "a collective inside `if rank == 0` waits forever for the others.")
