@@ -223,6 +223,43 @@ def test_deepspeed_launcher_runs_two_cpu_ranks(runs_root):
     assert_ranks_gone(run.run_dir)
 
 
+def test_deepspeed_runs_the_per_node_launcher_the_cli_would_start(tmp_path, monkeypatch):
+    """launch.deepspeed skips the `deepspeed` runner's process: it must pass the per-node launcher exactly what the
+    runner would (captured here from the runner itself, its process start replaced), and the launcher's wait loop
+    must still be the one DS_LAUNCH_MAIN shortens (one `time.sleep(1)` on the module's `time`)."""
+    import inspect
+    import subprocess
+    import sys
+
+    import deepspeed.launcher.launch as per_node
+    import deepspeed.launcher.runner as runner
+
+    assert per_node.time is time and inspect.getsource(per_node.main).count("time.sleep(") == 1
+    loop = subprocess.run([sys.executable, "-c", launch.DS_LAUNCH_MAIN.replace("L.main()", "print(L.time.sleep)")],
+                          capture_output=True, text=True)
+    assert "<lambda>" in loop.stdout, loop.stderr
+
+    started, popen = [], subprocess.Popen
+
+    def start(cmd, *args, **kwargs):  # the runner's other subprocesses (probes) run; the launcher is only recorded
+        if "deepspeed.launcher.launch" not in cmd:
+            return popen(cmd, *args, **kwargs)
+        started.append(cmd)
+        return SimpleNamespace(returncode=0, wait=lambda: 0)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", start)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    spec = launch.LaunchSpec.check("deepspeed", DS_TINY, 2, ["--steps", 2], config=DS_CONFIG)
+    ours, log_dir = launch._deepspeed_command(spec, 29511, tmp_path)
+    runner.main(["--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", "29511",
+                 f"--enable_each_rank_log={log_dir}", *ours[ours.index(str(spec.script)):]])
+    cli = started[0]
+    assert cli[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+    assert ours[:3] == [sys.executable, "-u", "-c"] and "deepspeed.launcher.launch" in ours[3]
+    assert ours[4:] == cli[4:]
+
+
+
 # ---------------------------------------------------------------------------------------------
 # input checks: refused before anything starts
 

@@ -27,6 +27,7 @@ would, bounded and cleaned up.
 """
 from __future__ import annotations
 
+import base64
 import json
 import sys
 import time
@@ -150,7 +151,14 @@ DS_CONFIG_FILE = "deepspeed_config.json"  # where a ds_config passed as a dict i
 
 def _deepspeed_command(spec: LaunchSpec, port: int, run_dir: Path) -> tuple[list[str], Path | None]:
     """The launcher's command line (a dict config is written into the run directory first), and the folder where
-    it makes every rank write its own log."""
+    it makes every rank write its own log.
+
+    On one node, ``deepspeed --num_gpus N script`` (``deepspeed.launcher.runner``) only builds a command and starts
+    it as a second process: DeepSpeed's per-node launcher, ``python -u -m deepspeed.launcher.launch`` with the
+    node's slots base64-encoded in ``--world_info``. This runs that per-node launcher directly
+    (:data:`DS_LAUNCH_MAIN`), with the arguments the runner would pass: one interpreter that imports torch and
+    DeepSpeed fewer (benchmarks/bench_ds_startup.py measures what that saves). The course's terminal commands, and
+    course/slurm_deepspeed.sbatch, still use the ``deepspeed`` command."""
     cfg_args = []
     if isinstance(spec.config, dict):
         cfg_file = run_dir / DS_CONFIG_FILE
@@ -159,10 +167,21 @@ def _deepspeed_command(spec: LaunchSpec, port: int, run_dir: Path) -> tuple[list
     elif spec.config is not None:
         cfg_args = ["--deepspeed_config", str(spec.config.resolve())]
     log_dir = run_dir / "ds_logs"
-    cmd = [sys.executable, "-c", "from deepspeed.launcher.runner import main; main()",
-           "--num_gpus", str(spec.nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
-           "--enable_each_rank_log", str(log_dir), str(spec.script), *spec.args, *cfg_args]
+    slots = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(spec.nproc))}).encode()).decode()
+    cmd = [sys.executable, "-u", "-c", DS_LAUNCH_MAIN, f"--world_info={slots}", "--master_addr=127.0.0.1",
+           f"--master_port={port}", f"--enable_each_rank_log={log_dir}", "--log_level=info", str(spec.script),
+           *spec.args, *cfg_args]
     return cmd, log_dir
+
+
+# `python -m deepspeed.launcher.launch`, except that it looks at its ranks every 0.1 s instead of every second (its
+# loop's only sleep: a run's last second was spent waiting for the next look) and, like TORCHRUN_MAIN, a launcher
+# whose ranks all succeeded leaves with os._exit. A failed rank makes main() kill the others and sys.exit with that
+# rank's code, unchanged. tests/test_launch_plain.py pins the loop this relies on.
+DS_LAUNCH_MAIN = ("import os, sys, time, types; import deepspeed.launcher.launch as L; "
+                  "L.time = types.ModuleType('time'); vars(L.time).update(vars(time)); "
+                  "L.time.sleep = lambda s: time.sleep(min(s, 0.1)); "
+                  "sys.argv[0] = L.__file__; L.main(); sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
 
 
 def _launch(spec: LaunchSpec, command_for) -> Run:
