@@ -106,7 +106,7 @@ def test_cifar10_gives_up_quickly_when_the_network_hangs(network_hangs, tmp_path
     start = time.monotonic()
     with pytest.raises(DatasetUnavailableError):
         get_datasets("cifar10", root=tmp_path)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 60 / 2  # the probe's 5 s gave up, not the connect's minute of hanging
 
 
 def test_auto_without_download_does_not_try_the_network(monkeypatch, tmp_path):

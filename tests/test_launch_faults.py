@@ -125,7 +125,8 @@ def test_crashed_rank_is_named_in_error(runs_root, children_before, fault_rank):
                         env={"FAULT_RANK": fault_rank, "FAULT_STEP": 2, "FAULT_KIND": "raise", "STEPS": 50})
     elapsed = time.monotonic() - start
     e = info.value
-    assert elapsed < 30, f"a crash took {elapsed:.1f}s to surface"
+    # ordering, not speed: the crash ended the run, long before the 120 s timeout could have
+    assert elapsed < 120 / 2, f"a crash took {elapsed:.1f}s to surface"
     assert e.reason == "failed"
     assert e.rank == fault_rank
     assert e.exitcode not in (0, None)
@@ -147,7 +148,7 @@ def test_hard_exit_of_rank_is_named_with_its_exit_code(runs_root, children_befor
         launch.torchrun(STEPS, nproc=2, show="none", timeout=120,
                         env={"FAULT_RANK": 1, "FAULT_STEP": 2, "FAULT_KIND": "exit", "STEPS": 50})
     e = info.value
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 120 / 2  # the exit ended the run, long before the timeout could have
     assert e.reason == "failed"
     assert e.rank == 1
     assert e.exitcode == 3
@@ -169,7 +170,7 @@ def test_hung_rank_ends_as_stalled_and_every_rank_is_killed(runs_root, children_
         launch.torchrun(STEPS, nproc=2, show="none", stall_timeout=5, timeout=120,
                         env={"FAULT_RANK": 1, "FAULT_STEP": 2, "FAULT_KIND": "hang", "STEPS": 50})
     e = info.value
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 120 / 2  # the 5 s stall limit ended it, long before the timeout could have
     assert e.reason == "stalled"
     assert "stalled" in str(e)
     assert result_json(e.run_dir)["status"] == "stalled"
@@ -185,7 +186,7 @@ def test_stall_after_a_rank_hangs_mid_run_shows_the_hang(runs_root, children_bef
         launch.torchrun(STEPS, nproc=2, show="none", stall_timeout=15, timeout=120,
                         env={"FAULT_RANK": 1, "FAULT_STEP": 2, "FAULT_KIND": "hang", "STEPS": 50})
     e = info.value
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120 / 2  # the 15 s stall limit ended it, long before the timeout could have
     assert e.reason == "stalled"
     assert "rank 1 hanging at step 2" in str(e)  # the last output of each rank is in the message
     assert "rank 1 hanging at step 2" in (e.run_dir / "rank1.log").read_text()
@@ -201,7 +202,7 @@ def test_run_over_timeout_is_killed_with_reason_timeout(runs_root, children_befo
         launch.torchrun(STEPS, nproc=2, show="none", timeout=10, env={"STEPS": 1000, "STEP_S": 0.05})
     elapsed = time.monotonic() - start
     e = info.value
-    assert 10 <= elapsed < 30
+    assert 10 <= elapsed < 1000 * 0.05  # the 10 s timeout ended it, long before its 1000 steps of 0.05 s would have
     assert e.reason == "timeout"
     assert e.rank is None
     assert "timeout=10" in str(e)
@@ -299,7 +300,7 @@ def test_killed_launcher_process_raises_and_leaves_no_orphan_ranks(runs_root, ch
     finally:
         done.set()
     e = info.value
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120 / 2  # the kill ended it, long before the timeout could have
     assert e.reason == "failed"
     assert e.exitcode == -signal.SIGKILL
     assert set(rank_pids(e.run_dir)) == {0, 1}
@@ -361,7 +362,7 @@ def test_failure_after_restarts_are_used_up_is_reported(runs_root, children_befo
     with pytest.raises(LaunchError) as info:
         launch.torchrun(FAIL_ONCE, nproc=2, show="none", timeout=60, max_restarts=1, env={"FAIL_MODE": "always"})
     e = info.value
-    assert time.monotonic() - start < 45
+    assert time.monotonic() - start < 60  # the used-up restart ended it, not the 60 s timeout (reason "timeout")
     assert e.reason == "failed"
     assert e.rank == 1
     assert e.exitcode not in (0, None)

@@ -23,7 +23,7 @@ def test_timeout_kills_the_script_and_what_it_started(runs_root):
     assert run.timed_out and run.returncode != 0
     child = int(re.search(r"child (\d+)", run.output).group(1))
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
-    assert run.duration_s < 15
+    assert run.duration_s < 60 / 2  # the 3 s timeout ended it, not the script's minute of sleep
     assert (run.run_dir / "output.log").read_text() == run.output
 
 
