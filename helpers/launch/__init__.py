@@ -157,8 +157,8 @@ def _deepspeed_command(spec: LaunchSpec, port: int, run_dir: Path) -> tuple[list
     it as a second process: DeepSpeed's per-node launcher, ``python -u -m deepspeed.launcher.launch`` with the
     node's slots base64-encoded in ``--world_info``. This runs that per-node launcher directly
     (:data:`DS_LAUNCH_MAIN`), with the arguments the runner would pass: one interpreter that imports torch and
-    DeepSpeed fewer (benchmarks/bench_ds_startup.py measures what that saves). The course's terminal commands, and
-    course/slurm_deepspeed.sbatch, still use the ``deepspeed`` command."""
+    DeepSpeed fewer (benchmarks/bench_ds_startup.py measures what that saves). Terminal commands and the SLURM
+    template still use the ``deepspeed`` command."""
     cfg_args = []
     if isinstance(spec.config, dict):
         cfg_file = run_dir / DS_CONFIG_FILE
