@@ -147,3 +147,25 @@ def test_nbval_stops_a_notebook_that_runs_past_its_syllabus_timeout(monkeypatch)
     with pytest.raises(pytest.fail.Exception, match=f"past its syllabus timeout of {chapter.timeout_s} s"):
         plugin.pytest_runtest_setup(cell)
     plugin.pytest_runtest_setup(other)  # the next notebook starts as usual
+
+
+def _committed_seconds(chapter) -> float:
+    return _load(chapter).metadata["course"]["environment"]["seconds"]
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
+def test_each_notebook_was_regenerated_within_its_budget(chapter):
+    """`make regen` records how long each notebook took (smoke profile, this kind of 2-core machine): a chapter that
+    outgrows its budget fails here when it is regenerated, not as a slow CI."""
+    env = _load(chapter).metadata["course"]["environment"]
+    assert env["profile"] == "smoke" and env["gpus"] == 0, "commit outputs of the smoke profile on a CPU"
+    assert chapter.timeout_s >= chapter.budget_s, "the hang guard sits above the budget"
+    assert env["seconds"] <= chapter.budget_s, \
+        f"{chapter.file} took {env['seconds']:.0f} s in `make regen`; its budget is {chapter.budget_s} s"
+
+
+def test_all_notebooks_were_regenerated_within_the_total_budget():
+    settings, _ = syllabus()
+    total = sum(_committed_seconds(c) for c in CHAPTERS)
+    assert total <= settings["total_budget_s"], \
+        f"the notebooks took {total:.0f} s together in `make regen`; the budget is {settings['total_budget_s']} s"

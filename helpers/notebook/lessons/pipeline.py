@@ -64,6 +64,12 @@ class Settings:
                 "--seq-len", SEQ_LEN, "--batch-size", BATCH, "--microbatches", self.microbatches, *extra]
 
     @property
+    def solo(self) -> list:
+        """The flags a one-process run adds: every core (the script's default, one thread, is for ranks that share
+        them), so the reference curve does not take the longest."""
+        return ["--threads", self.cores]
+
+    @property
     def more_layers(self) -> int:
         """Blocks for the two-stages-per-rank runs: 12 where 2 x NPROC stages divide them, else the next multiple."""
         v = 2 * self.nproc
@@ -92,7 +98,7 @@ def resolve(profile: str, cores: int, nproc=None, microbatches=None, steps=None)
         fits = [d for d in range(nproc, BATCH + 1) if BATCH % d == 0]
         raise ValueError(f"MICROBATCHES={microbatches}: it must divide the batch of {BATCH} and, for 1F1B, be at "
                          f"least NPROC={nproc}; use one of {', '.join(map(str, fits))}")
-    steps = steps or (10 if profile == "smoke" else 30)
+    steps = steps or (6 if profile == "smoke" else 30)
     return Settings(profile, nproc, microbatches, steps, skip_steps=min(3, steps // 2), cores=cores)
 
 
