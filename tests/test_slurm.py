@@ -42,8 +42,8 @@ SBATCH_CPU = ["--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={RANKS}", "--t
 JOB_ENV = {"GPUS_PER_NODE": str(RANKS), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 ELASTIC_ARGS = "--dataset synthetic --train-size 2000 --test-size 200 --epochs 2 --batch-size 32 --snapshot-every 5"
 TOTAL_STEPS = 64  # 2000 images / 2 ranks = 1000 per rank = 32 batches of 32 (the last one 8) per epoch
-DS_ARGS = "--dataset synthetic --train-size 1000 --test-size 200 --epochs 1 --dtype bf16"
-DS_STEPS = 16  # 1000 images / 2 ranks = 500 per rank = 16 micro batches of 32 (the last one 20), 1 per optimizer step
+DS_ARGS = "--dataset synthetic --train-size 320 --test-size 200 --epochs 1 --dtype bf16"
+DS_STEPS = 5  # 320 images / 2 ranks = 160 per rank = 5 micro batches of 32, 1 per optimizer step
 JOB_TIMEOUT_S = 240  # generous: the first DeepSpeed job also compiles DeepSpeed's CPU comm op
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
