@@ -152,3 +152,35 @@ def test_chinese_text_takes_fullwidth_punctuation(name):
     from test_readme_zh import halfwidth_punctuation_problems
 
     assert halfwidth_punctuation_problems(catalogue_texts()[name]) == []
+
+
+# A line break inside a paragraph renders as a space in a browser: between two Chinese characters (or fullwidth
+# punctuation) it is a stray space that a Chinese writer never types.
+CJK_OR_FULLWIDTH = r"[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]"
+CJK_BREAK = re.compile(f"{CJK_OR_FULLWIDTH}\n{CJK_OR_FULLWIDTH}")
+
+
+def cjk_line_breaks(text: str) -> list[str]:
+    """Each line break between two Chinese characters in ``text``, with a little context."""
+    return [text[max(0, m.start() - 10):m.end() + 10].replace("\n", "⏎") for m in CJK_BREAK.finditer(text)]
+
+
+def chinese_texts() -> dict[str, list[str]]:
+    """Every Chinese text a reader sees rendered, each string on its own (joining two would make a break)."""
+    out = {f"notebooks/zh/{c.file}": [cell.source for cell in nbformat.read(ZH / c.file, 4).cells
+                                      if cell.cell_type == "markdown"] for c in CHAPTERS}
+    out |= {path.name: [e.msgstr for e in polib.pofile(str(path)) if not e.obsolete]
+            for path in sorted((i18n.TRANSLATIONS / i18n.CHINESE).glob("*.po"))}
+    out |= {p.name: [p.read_text(encoding="utf-8")] for p in (ROOT / "README.zh-CN.md", GLOSSARY)}
+    return out
+
+
+def test_the_line_break_check_finds_a_break_between_chinese_characters():
+    assert len(cjk_line_breaks("模型\n状态，\n梯度（\n参数")) == 3
+    assert cjk_line_breaks("模型状态\n- 梯度\nrank 0 的\n`loss`\n\n第二段") == []
+
+
+@pytest.mark.parametrize("name", list(chinese_texts()))
+def test_no_line_break_between_two_chinese_characters(name):
+    found = [hit for text in chinese_texts()[name] for hit in cjk_line_breaks(text)]
+    assert not found, f"{len(found)} line break(s) between Chinese characters (a browser shows a space): {found[:5]}"
