@@ -32,6 +32,10 @@ FORBIDDEN = {
     "consolidate": (r"汇集", "合并"),
     "loss": (r"损失", "loss"),
     "stacked parentheses": (r"）\s*（", "one gloss, or a second sentence"),
+    "noise floor": (r"底噪", "噪声底"),
+    "micro-batch": (r"微步|(?<!微批次（)micro[- ]batch", "微批次（micro-batch） at its first use, then 微批次"),
+    "learner": (r"学员", "学习者"),
+    "TP degree": (r"TP 度", "TP 并行度"),
 }
 # The English article carried over: a Chinese author writes 一个 far less often than an English one writes "a".
 MAX_YIGE_PER_CJK = 1 / 300
@@ -88,7 +92,7 @@ def repeated_glosses(chapters: list[str]) -> dict[str, int]:
 
 def test_each_rule_finds_the_word_it_forbids():
     bad = "进程挂起了；两块 GPU、每个卡上；见 §3；批大小 64；常见陷阱；集合操作；汇集检查点；损失下降；" \
-          "主副本（master copy）（K = 12）"
+          "主副本（master copy）（K = 12）；噪声的底噪；两个微步；每个 micro-batch；学员；TP 度 2"
     assert set(violations(bad)) == set(FORBIDDEN)
     assert violations("进程卡住了；两张 GPU、每张卡；这个 GPU 上；见第 3 节；每卡 batch size 64；避坑；合并检查点") == {}
 
