@@ -157,7 +157,7 @@ def test_the_config_builder_speaks_the_kernels_language(chinese):
     assert text.startswith("ConfigBuilder，文件 runs/x.json") and "没有写入，配置有问题：" in text
     problem = next(line for line in text.split("\n") if line.startswith("  - "))
     assert CJK.search(problem), problem  # from messages.po, the same sentence notebook 03 prints
-    assert builder.controls["micro_batch"].description == "每个 rank 的 micro batch"
+    assert builder.controls["micro_batch"].description == "每个 rank 的微批次"
 
 
 def test_say_prints_a_validator_message_in_the_kernels_language(chinese, capsys):
