@@ -184,7 +184,10 @@ def test_the_line_break_check_finds_a_break_between_chinese_characters():
     assert cjk_line_breaks("模型状态\n- 梯度\nrank 0 的\n`loss`\n\n第二段") == []
 
 
-@pytest.mark.parametrize("name", list(chinese_texts()))
+CHINESE_TEXTS = chinese_texts()  # read once, not once per parametrized test
+
+
+@pytest.mark.parametrize("name", list(CHINESE_TEXTS))
 def test_no_line_break_between_two_chinese_characters(name):
-    found = [hit for text in chinese_texts()[name] for hit in cjk_line_breaks(text)]
+    found = [hit for text in CHINESE_TEXTS[name] for hit in cjk_line_breaks(text)]
     assert not found, f"{len(found)} line break(s) between Chinese characters (a browser shows a space): {found[:5]}"
