@@ -100,3 +100,33 @@ def test_the_step_model_charges_recomputation_the_bubble_and_tp():
     piped = plan.step_seconds(GPT3_XL, dict(base, dp=2, pp=4, microbatches=256), global_batch=512, micro_batch=1,
                               gpus_per_node=8)
     assert piped["bubble"] == pytest.approx(3 / 259) and piped["compute"] > t["compute"]
+
+
+def test_megatron_splits_the_embedding_and_head_over_the_vocabulary():
+    h, v, s = GPT3_XL["d_model"], GPT3_XL["vocab"], GPT3_XL["seq_len"]
+    for tp in (2, 8):
+        whole, split = (plan.stage_params(GPT3_XL, 1, 0, tp, vocab_parallel=vp) for vp in (False, True))
+        assert whole - split == 2 * (v - -(-v // tp)) * h  # word embedding and head: ceil(V / tp) rows each
+        first, last = (plan.stage_params(GPT3_XL, 2, st, tp, vocab_parallel=True) for st in (0, 1))
+        assert first - last == (s - 2) * h  # the position embedding stays whole; the final LayerNorm is 2 h
+    assert plan.stage_params(GPT3_XL, 1, 0, 1, vocab_parallel=True) == plan.stage_params(GPT3_XL)
+
+
+def test_dp_traffic_hides_only_behind_the_compute_that_runs_beside_it():
+    """ZeRO-0/1 reduce once, after the last micro-batch's backward: only that backward covers it; ZeRO-2 behind
+    every micro-batch's backward; ZeRO-3 behind the whole compute."""
+    base = dict(dp=64, tp=1, pp=1, zero=1, checkpoint="none", sp=False)
+    shape = dict(GPT3_XL, n_layer=40, n_head=40, d_model=5120)
+
+    def t(**k):
+        return plan.step_seconds(shape, dict(base, **k), global_batch=1024, micro_batch=1, gpus_per_node=8)
+
+    one, many = t(microbatches=1), t(microbatches=16)  # 64 sequences a step would need m = 1 at dp 64
+    backward = many["compute"] * 2 / 3
+    assert many["dp"] == one["dp"] and many["dp_exposed"] == pytest.approx(max(0, many["dp"] - backward / 16))
+    assert many["dp_exposed"] > 0
+    z2, z3 = t(microbatches=16, zero=2), t(microbatches=16, zero=3)
+    assert z2["dp_exposed"] == pytest.approx(max(0, z2["dp"] - backward))
+    assert z3["dp_exposed"] == pytest.approx(max(0, z3["dp"] - z3["compute"]))
+    full = t(microbatches=16, checkpoint="full")
+    assert full["dp_exposed"] == pytest.approx(max(0, full["dp"] - full["compute"] * 3 / 4 / 16))

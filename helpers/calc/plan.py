@@ -2,8 +2,9 @@
 
 A *layout* places a GPT (``shape``: vocab, seq_len, n_layer, n_head, d_model, attention) on ``dp x tp x pp`` ranks:
 ``pp`` balanced pipeline stages (:func:`helpers.calc.pipeline.stage_layers`), each stage's blocks split over ``tp``
-ranks (notebook 09's Megatron plan: the blocks' six weight matrices, ``12 h^2`` per block, split; the embeddings,
-LayerNorms and head whole), and ``dp`` copies of that reading different data, their model states sharded by ZeRO
+ranks (notebook 09's Megatron plan: the blocks' six weight matrices, ``12 h^2`` per block, split; the LayerNorms
+whole; the embeddings and head whole as in the course's scripts, or split over the vocabulary as Megatron-LM does,
+which :func:`propose` assumes), and ``dp`` copies of that reading different data, their model states sharded by ZeRO
 ``stage`` over the dp ranks. Each step a dp rank runs ``microbatches`` micro-batches of ``micro_batch`` sequences.
 
 Per rank, by stage (:func:`rank_memory`):
@@ -48,10 +49,13 @@ def _dtype(precision: str) -> str:
     return "bf16" if precision == "mixed" else "fp32"
 
 
-def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1) -> int:
+def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, vocab_parallel: bool = False) -> int:
     """Parameters one rank of pipeline stage ``stage`` (of ``pp``) holds at tensor-parallel degree ``tp``: per block
     ``12 h^2 / tp + 4 h`` (the six matrices split, two LayerNorms whole), the embeddings ``(V + s) h`` on the first
-    stage, the final LayerNorm ``2 h`` and the untied head ``V h`` on the last.
+    stage, the final LayerNorm ``2 h`` and the untied head ``V h`` on the last. The course's scripts keep the
+    embeddings and the head whole on every TP rank; ``vocab_parallel`` splits both over the vocabulary as Megatron-LM
+    does (its VocabParallelEmbedding, and the head column-parallel): ``ceil(V / tp) h`` each, the vocabulary padded to
+    a multiple of ``tp``; the position embedding stays whole.
 
         >>> stage_params(dict(vocab=10, seq_len=4, n_layer=2, n_head=2, d_model=4))   # helpers.rank.gpt's count
         520
@@ -63,10 +67,11 @@ def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1) -> int:
         raise ValueError(f"tp {tp} does not divide the blocks' matrices (d_model {h})")
     blocks = len(stage_layers(shape["n_layer"], pp)[stage])
     n = blocks * (12 * h * h // tp + 4 * h)
+    rows = -(-v // tp) if vocab_parallel else v
     if stage == 0:
-        n += (v + shape["seq_len"]) * h
+        n += (rows + shape["seq_len"]) * h
     if stage == pp - 1:
-        n += 2 * h + v * h
+        n += 2 * h + rows * h
     return n
 
 
@@ -81,15 +86,17 @@ def in_flight(schedule: str, pp: int, stage: int, microbatches: int) -> int:
 
 
 def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stage: int = 0, tp: int = 1,
-                                sp: bool = False, dtype: str = "fp32", checkpoint: str = "none") -> float:
+                                sp: bool = False, dtype: str = "fp32", checkpoint: str = "none",
+                                vocab_parallel: bool = False) -> float:
     """Bytes one micro-batch leaves saved for backward on one rank of ``stage``: its blocks'
     (:func:`helpers.calc.activations.layer_bytes`), the token and position ids on the first stage, the final
-    LayerNorm, logits, log_softmax and targets on the last (:func:`helpers.calc.activations.head_terms`)."""
+    LayerNorm, logits, log_softmax and targets on the last (:func:`helpers.calc.activations.head_terms`; with
+    ``vocab_parallel`` each rank's logits cover ``ceil(V / tp)`` of the vocabulary)."""
     s, b, h = shape["seq_len"], micro_batch, shape["d_model"]
     blocks = len(stage_layers(shape["n_layer"], pp)[stage])
     out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, shape.get("attention", "math"),
                                            checkpoint, tp, sp)
-    head = activations.head_terms(s, b, h, shape["vocab"], dtype)
+    head = activations.head_terms(s, b, h, -(-shape["vocab"] // tp) if vocab_parallel else shape["vocab"], dtype)
     ids = activations.INDEX_BYTES * s * b  # the token ids (first stage) or the targets (last)
     if stage == 0:
         out += ids + activations.INDEX_BYTES * s  # and the positions
@@ -100,20 +107,22 @@ def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stag
 
 def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, checkpoint: str = "none",
                 micro_batch: int = 1, microbatches: int = 1, schedule: str = "1f1b", precision: str = "fp32",
-                sp: bool = False, step_counters: bool = False) -> list[dict]:
+                sp: bool = False, step_counters: bool = False, vocab_parallel: bool = False) -> list[dict]:
     """Per pipeline stage, what one rank holds at its peak: ``params`` (count), the model states ``params_bytes``,
     ``grads``, ``optimizer``, ``in_flight`` micro-batches, ``activations`` and ``total`` (bytes). ``step_counters``:
     add AdamW's fp32 step counter per parameter tensor (:data:`ADAM_STEP_BYTES`, with ``tensors`` per stage
-    from :func:`stage_tensors`), to compare with what torch's optimizer measurably keeps."""
+    from :func:`stage_tensors`), to compare with what torch's optimizer measurably keeps. ``vocab_parallel``: the
+    embeddings and head split over TP as Megatron-LM does (:func:`stage_params`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     out = []
     for stage in range(pp):
-        n = stage_params(shape, pp, stage, tp)
+        n = stage_params(shape, pp, stage, tp, vocab_parallel)
         states = zero_model_state_bytes(n, dp, zero, precision)
         optimizer = states["optimizer"] + (ADAM_STEP_BYTES * stage_tensors(shape, pp, stage) if step_counters else 0)
         held = in_flight(schedule, pp, stage, microbatches)
-        act = held * microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, _dtype(precision), checkpoint)
+        act = held * microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, _dtype(precision), checkpoint,
+                                                 vocab_parallel)
         out.append(dict(stage=stage, params=n, params_bytes=states["params"], grads=states["grads"],
                         optimizer=optimizer, in_flight=held, activations=act,
                         total=states["params"] + states["grads"] + optimizer + act))
@@ -164,8 +173,12 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
       Narayanan et al. 2021's count, Sec. 5.1), over the GPUs at ``efficiency`` of peak; full checkpointing runs the forward again (x 4/3); divided by
       ``1 - bubble`` for a pipeline;
     * ``tp``: the TP all-reduces (:func:`step_comm_bytes`) over NVLink, in the critical path of every layer;
-    * ``dp``: the gradient all-reduce (ZeRO-3: and the gathers) over the network when the run spans nodes, NVLink
-      otherwise, hidden behind the backward (ZeRO-3: behind forward and backward) and counted where it is longer;
+    * ``dp``: the gradient traffic of :func:`step_comm_bytes` over the network when the run spans nodes, NVLink
+      otherwise, hidden only behind the compute that runs while it can: ZeRO-0/1 reduce the accumulated gradients
+      once, when the last micro-batch's backward produces them, so only that one backward (``1/m`` of the step's
+      backward) can hide them; ZeRO-2 reduce-scatters each micro-batch's gradients behind that micro-batch's
+      backward (the whole backward); ZeRO-3's gathers also run ahead of the forward (the whole compute). What is
+      longer than its cover is ``dp_exposed``;
     * the pipeline's point-to-point sends overlap other micro-batches' compute and are left out.
     """
     L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
@@ -176,10 +189,12 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     bubble = (pp - 1) / (m + pp - 1)
     compute = flops / (n_gpus * hardware["flops"] * hardware["efficiency"]) / (1 - bubble)
     comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
-                           precision=precision, zero=layout["zero"])
+                           precision=precision, zero=layout["zero"], vocab_parallel=layout.get("vocab_parallel", False))
     tp_s = comm["tp"] / hardware["nvlink"]
     dp_s = comm["dp"] / (hardware["network"] if n_gpus > gpus_per_node else hardware["nvlink"])
-    hidden_behind = compute * (1 if layout["zero"] == 3 else 2 / 3)
+    busy = compute * (1 - bubble)  # the compute itself, without the pipeline's idle time
+    backward = busy * (3 / 4 if layout["checkpoint"] == "full" else 2 / 3)  # full: the forward rerun, then 2 F
+    hidden_behind = {0: backward / m, 1: backward / m, 2: backward, 3: busy}[layout["zero"]]
     exposed = max(0.0, dp_s - hidden_behind)
     return dict(compute=compute, bubble=bubble, tp=tp_s, dp=dp_s, dp_exposed=exposed, total=compute + tp_s + exposed)
 
@@ -199,9 +214,10 @@ def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, g
         for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
             for rank, checkpoint in enumerate(activations.CHECKPOINTS):
                 layout = dict(dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint, sp=tp > 1, microbatches=m,
-                              schedule="1f1b")
+                              schedule="1f1b", vocab_parallel=tp > 1)
                 stages = rank_memory(shape, dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint,
-                                     micro_batch=micro_batch, microbatches=m, precision=precision, sp=tp > 1)
+                                     micro_batch=micro_batch, microbatches=m, precision=precision, sp=tp > 1,
+                                     vocab_parallel=tp > 1)
                 worst = max(st["total"] for st in stages)
                 if worst <= usable * gpu_bytes:
                     t = step_seconds(shape, layout, global_batch=global_batch, micro_batch=micro_batch,
@@ -212,9 +228,11 @@ def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, g
 
 
 def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
-                    microbatches: int = 1, precision: str = "fp32", zero: int = 0) -> dict:
-    """Bytes one rank sends per step on each axis (a rank of the first stage, which holds the most parameters;
-    for ``pp``, a middle stage's, which sends both ways):
+                    microbatches: int = 1, precision: str = "fp32", zero: int = 0,
+                    vocab_parallel: bool = False) -> dict:
+    """Bytes one rank sends per step on each axis (for ``dp``, a rank of the first stage, whose embeddings make it
+    hold the most parameters, :func:`stage_params` with ``vocab_parallel``; for ``pp``, a middle stage's, which
+    sends both ways):
 
     * ``tp``: 4 all-reduces of a micro-batch's activations (s b h) per block, two in forward (after the attention
       projection and the MLP's down matrix) and two in backward, each ``2 (tp - 1) / tp`` of the tensor;
@@ -228,7 +246,7 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
     s, h = shape["seq_len"], shape["d_model"]
     act = e * s * micro_batch * h
     blocks = len(stage_layers(shape["n_layer"], pp)[0])
-    grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp)
+    grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp, vocab_parallel)
     return {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
             "pp": microbatches * 2 * act if pp > 1 else 0.0,
             "dp": grads * (dp - 1) / dp * {0: 2, 1: 2, 2: microbatches, 3: 3 * microbatches}[zero]}
