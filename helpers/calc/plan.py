@@ -49,6 +49,12 @@ def _dtype(precision: str) -> str:
     return "bf16" if precision == "mixed" else "fp32"
 
 
+def _vocab_rows(vocab: int, tp: int, vocab_parallel: bool) -> int:
+    """The vocabulary rows one TP rank holds of the embedding, the head or the logits: all of them, or with
+    ``vocab_parallel`` its ``ceil(V / tp)`` (the vocabulary padded to a multiple of ``tp``)."""
+    return -(-vocab // tp) if vocab_parallel else vocab
+
+
 def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, vocab_parallel: bool = False) -> int:
     """Parameters one rank of pipeline stage ``stage`` (of ``pp``) holds at tensor-parallel degree ``tp``: per block
     ``12 h^2 / tp + 4 h`` (the six matrices split, two LayerNorms whole), the embeddings ``(V + s) h`` on the first
@@ -67,7 +73,7 @@ def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, vocab_pa
         raise ValueError(f"tp {tp} does not divide the blocks' matrices (d_model {h})")
     blocks = len(stage_layers(shape["n_layer"], pp)[stage])
     n = blocks * (12 * h * h // tp + 4 * h)
-    rows = -(-v // tp) if vocab_parallel else v
+    rows = _vocab_rows(v, tp, vocab_parallel)
     if stage == 0:
         n += (rows + shape["seq_len"]) * h
     if stage == pp - 1:
@@ -96,7 +102,7 @@ def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stag
     blocks = len(stage_layers(shape["n_layer"], pp)[stage])
     out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, shape.get("attention", "math"),
                                            checkpoint, tp, sp)
-    head = activations.head_terms(s, b, h, -(-shape["vocab"] // tp) if vocab_parallel else shape["vocab"], dtype)
+    head = activations.head_terms(s, b, h, _vocab_rows(shape["vocab"], tp, vocab_parallel), dtype)
     ids = activations.INDEX_BYTES * s * b  # the token ids (first stage) or the targets (last)
     if stage == 0:
         out += ids + activations.INDEX_BYTES * s  # and the positions

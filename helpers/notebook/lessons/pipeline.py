@@ -344,10 +344,10 @@ def more_bubbles(more: dict, cfg: Settings) -> tuple[dict, dict]:
 
 def action_costs(run, cfg: Settings) -> dict[tuple[str, int], float]:
     """The median duration of each (kind, stage) over the timed steps and micro-batches, in seconds."""
-    kept = [a for a in actions(run) if a["step"] > min(by_step(actions(run))) + cfg.skip_steps - 1]
     out: dict[tuple[str, int], list] = {}
-    for a in kept:
-        out.setdefault((a["kind"], a["stage"]), []).append(a["t1"] - a["t0"])
+    for step in list(by_step(actions(run)).values())[cfg.skip_steps:]:  # the timed steps, as median_step keeps them
+        for a in step:
+            out.setdefault((a["kind"], a["stage"]), []).append(a["t1"] - a["t0"])
     return {k: statistics.median(v) for k, v in sorted(out.items(), key=lambda kv: (kv[0][1], "FBIW".index(kv[0][0])))}
 
 
@@ -377,7 +377,7 @@ def show_more_schedules(more: dict, runs: dict, cfg: Settings) -> None:
 def claim_more_schedules(more: dict, runs: dict, cfg: Settings) -> None:
     """Interleaved 1F1B held to its plan within 0.05 or its own steps' spread, whichever is larger; ZBV's plan below
     it, and the two measured facts that keep ZBV's replay above its plan (a first stage without input gradient, a
-    weight gradient cheaper than a forward); ZBV's replayed bubble itself is shown, not claimed."""
+    weight gradient cheaper than the input gradient); ZBV's replayed bubble itself is shown, not claimed."""
     p, m = cfg.nproc, cfg.microbatches
     if p == 1:
         claim("one process: no pipeline, so no interleaving (these claims need NPROC >= 2)", not more)
