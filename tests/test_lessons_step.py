@@ -129,12 +129,17 @@ def test_fsdp_claims_count_the_gathers_and_fail_on_a_second_gather_that_should_b
         assert list(verdicts(capsys).values()) == verdict, fault
 
 
-def tp_run(tmp_path, name: str, waits: int) -> FakeRun:
+def tp_run(tmp_path, name: str, waits: int, mm_at: float = 30) -> FakeRun:
+    """TP's 8 all-reduces a step, each read by an ``aten::add`` that starts 1 us after it and waits for it from 5 us
+    in (DTensor's dispatch before the wait: what the hidden column counts), and a matmul ``mm_at`` us after each
+    all-reduce starts (after it ends by default; inside it, an injected fault)."""
     events = []
     for t0 in (0, 2000):
         events += [event("ProfilerStep#1", t0, 1000, cat="user_annotation")]
         events += [event("gloo:all_reduce", t0 + 100 * k, 20, tid=2) for k in range(8)]
+        events += [event("aten::add", t0 + 100 * k + 1, 20) for k in range(8)]
         events += [event("_c10d_functional::wait_tensor", t0 + 100 * k + 5, 15) for k in range(waits)]
+        events += [event("aten::mm", t0 + 100 * k + mm_at, 3) for k in range(8)]
     return FakeRun(tmp_path, name, {0: events, 1: events},
                    dict(framework="tp", world_size=2, gpt={"n_layer": 2, "seq_len": 48, "d_model": 96},
                         global_batch=8, dp_degree=1,
@@ -194,9 +199,11 @@ def test_zero3_defaults_are_read_from_deepspeeds_config_model():
 def test_tp_claims_count_the_all_reduces_and_their_waits(tmp_path, capsys):
     cfg = lesson.resolve("smoke", 2, 2)
     lesson.claim_tp(tp_run(tmp_path, "tp", waits=8), cfg)
-    assert list(verdicts(capsys).values()) == [True, True]
+    assert list(verdicts(capsys).values()) == [True, True, True]
     lesson.claim_tp(tp_run(tmp_path, "tp_unwaited", waits=7), cfg)
-    assert list(verdicts(capsys).values()) == [True, False]
+    assert list(verdicts(capsys).values())[:2] == [True, False]
+    lesson.claim_tp(tp_run(tmp_path, "tp_mm", waits=8, mm_at=2), cfg)  # a matmul while an all-reduce runs
+    assert list(verdicts(capsys).values()) == [True, True, False]
 
 
 def test_the_byte_formulas_list_each_configurations_collectives(tmp_path):

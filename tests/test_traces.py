@@ -74,3 +74,30 @@ def test_merge_gives_each_rank_a_lane_on_one_clock():
     starts = {e["pid"]: e["ts"] for e in merged["traceEvents"] if e.get("name") == "ProfilerStep#1"}
     assert starts == {0: 0.0, 1: 1000.0}  # rank 1's file began 1 ms later on the shared clock
     assert all(e["pid"] in (0, 1) for e in merged["traceEvents"])
+
+
+def test_a_wait_that_copies_before_its_collective_computes():
+    """FSDP2's ``FSDP::all_gather`` span copies the shards in before gloo's span starts: that copying is compute,
+    and only the part of the wait under the collective is the thread blocked. The step is then accounted whole:
+    compute + exposed + other."""
+    t = trace(event("ProfilerStep#1", 0, 1000, cat="user_annotation"), event("aten::mm", 0, 300),
+              event("FSDP::all_gather (1)", 300, 500), event("fsdp::all_gather_copy_in", 310, 190),
+              event("gloo:all_gather", 500, 300, tid=101, cat="user_annotation"), event("aten::relu", 850, 100))
+    row = traces.step_split(traces.spans_of({0: t}))[0][0]
+    assert row["compute"] == pytest.approx(590e-6)  # 0-300, the copy 310-500, 850-950
+    assert row["exposed"] == pytest.approx(300e-6) and row["peer"] == 0
+    assert row["other"] == pytest.approx(110e-6)  # 300-310, 800-850, 950-1000: between operators
+    assert row["compute"] + row["exposed"] + row["other"] == pytest.approx(row["span"])
+
+
+def test_waiting_for_a_late_peer_is_told_apart_from_moving_bytes():
+    """Rank 1 computes 200 us longer, so rank 0's all-reduce span starts 200 us before rank 1's: that part of rank
+    0's exposed time is waiting for its peer; rank 1, the late one, waits for nobody."""
+    def rank_trace(compute_until):
+        return trace(event("ProfilerStep#1", 0, 1000, cat="user_annotation"), event("aten::mm", 0, compute_until),
+                     event("gloo:all_reduce", compute_until, 900 - compute_until, tid=101, cat="user_annotation"))
+    split = traces.step_split(traces.spans_of({0: rank_trace(300), 1: rank_trace(500)}))
+    early, late = split[0][0], split[1][0]
+    assert early["exposed"] == pytest.approx(600e-6) and early["peer"] == pytest.approx(200e-6)
+    assert late["exposed"] == pytest.approx(400e-6) and late["peer"] == 0
+    assert traces.peer_waits(traces.spans_of({0: rank_trace(300)})) == {0: []}  # one rank: nobody to wait for

@@ -24,7 +24,9 @@ What is what, by name:
 
 Per step and rank (:func:`step_split`): ``compute`` and ``comm`` are the lengths of the union of their spans inside
 the step; ``exposed`` is the communication time during which no compute ran: what the step would lose if nothing
-else were slow (the quantity DDP's bucketing and FSDP's prefetching shrink).
+else were slow (the quantity DDP's bucketing and FSDP's prefetching shrink). Of that, ``peer`` is waiting for a
+peer that started the collective later (load imbalance, not bytes: :func:`peer_waits`), and ``other`` is the rest
+of the step (neither compute nor communication), so the three account for the whole step.
 
 Pure (no torch). Example::
 
@@ -121,10 +123,15 @@ def minus(first: Sequence[tuple[float, float]], second: Sequence[tuple[float, fl
 
 
 def compute(rank_spans: Iterable[Mapping]) -> list[tuple[float, float]]:
-    """When one rank computed: the union of its compute spans minus its waits (both from :func:`spans`)."""
+    """When one rank computed: the union of its compute spans minus the time it waited while one of its
+    collectives was in flight (both from :func:`spans`). A wait span can hold work of its own: FSDP2's
+    ``FSDP::all_gather`` copies the shards in before its collective starts and out after it ends, and that copying
+    is compute; only the part of a wait during which a collective ran is the thread blocked on it."""
     rank_spans = list(rank_spans)
-    return minus(union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "compute"),
-                 union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "wait"))
+    comm = union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "comm")
+    waits = union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "wait")
+    blocked = minus(waits, minus(waits, comm))  # waits while a collective was in flight
+    return minus(union((s["t0"], s["t1"]) for s in rank_spans if s["kind"] == "compute"), blocked)
 
 
 def by_rank(all_spans: Iterable[Mapping]) -> dict[int, list[Mapping]]:
@@ -136,8 +143,12 @@ def by_rank(all_spans: Iterable[Mapping]) -> dict[int, list[Mapping]]:
 
 
 def step_split(all_spans: Sequence[Mapping]) -> dict[int, list[dict]]:
-    """Per rank, per profiled step (its ``ProfilerStep#`` span): ``compute``, ``comm``, ``exposed`` and ``span``,
-    in seconds, and the step's ``name``."""
+    """Per rank, per profiled step (its ``ProfilerStep#`` span): ``compute``, ``comm``, ``exposed``, ``peer``,
+    ``other`` and ``span``, in seconds, and the step's ``name``. ``peer`` is the part of ``exposed`` spent waiting
+    for a late peer (:func:`peer_waits`): the collective had started on this rank and not yet on the last one.
+    ``other`` is the rest of the step: neither compute nor communication (Python between operators, the
+    profiler's own bookkeeping). So ``span = compute + exposed + other``, up to rounding."""
+    peers = peer_waits(all_spans)
     out: dict[int, list[dict]] = {}
     for rank, mine in by_rank(all_spans).items():
         busy = compute(mine)
@@ -146,10 +157,39 @@ def step_split(all_spans: Sequence[Mapping]) -> dict[int, list[dict]]:
         for step in sorted((s for s in mine if s["kind"] == "step"), key=lambda s: s["t0"]):
             lo, hi = step["t0"], step["t1"]
             c, m = clip(busy, lo, hi), clip(comm, lo, hi)
+            exposed = minus(m, c)
+            peer = minus(clip(peers.get(rank, []), lo, hi), c)
             rows.append(dict(step=step["name"], span=(hi - lo) / 1e6, compute=length(c) / 1e6, comm=length(m) / 1e6,
-                             exposed=length(minus(m, c)) / 1e6))
+                             exposed=length(exposed) / 1e6, peer=length(peer) / 1e6,
+                             other=length(minus([(lo, hi)], union(c + m))) / 1e6))
         out[rank] = rows
     return out
+
+
+def peer_waits(all_spans: Sequence[Mapping]) -> dict[int, list[tuple[float, float]]]:
+    """Per rank, when it waited inside a collective for a later peer: the k-th collective of a step (not a
+    point-to-point message) is one call on every rank; none can finish before the last rank has started it, so
+    on each rank the span from its own start to the last rank's start is waiting for that rank (a late peer: its
+    compute ran longer), not moving bytes. Steps whose ranks hold different collectives give none."""
+    calls: dict[int, list[list[dict]]] = {}
+    for rank, mine in by_rank(all_spans).items():
+        comm = sorted((s for s in mine if s["kind"] == "comm" and not s["name"].endswith((":send", ":recv"))),
+                      key=lambda s: s["t0"])
+        steps = sorted((s for s in mine if s["kind"] == "step"), key=lambda s: s["t0"])
+        calls[rank] = [[c for c in comm if st["t0"] <= c["t0"] < st["t1"]] for st in steps]
+    out: dict[int, list[tuple[float, float]]] = {rank: [] for rank in calls}
+    if len(calls) < 2:
+        return out
+    for k in range(min(len(steps) for steps in calls.values())):
+        step = {rank: steps[k] for rank, steps in calls.items()}
+        if len({tuple(c["name"] for c in cs) for cs in step.values()}) > 1:
+            continue
+        for i in range(len(next(iter(step.values())))):
+            last = max(cs[i]["t0"] for cs in step.values())
+            for rank, cs in step.items():
+                if cs[i]["t0"] < last:
+                    out[rank].append((cs[i]["t0"], min(last, cs[i]["t1"])))
+    return {rank: union(w) for rank, w in out.items()}
 
 
 def _calls_per_step(all_spans: Sequence[Mapping]) -> dict[int, list[list[dict]]]:

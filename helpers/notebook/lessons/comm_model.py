@@ -21,7 +21,7 @@ Example (notebook cells)::
 
     sweep = launch.torchrun("course/collective_sweep.py", nproc=n, args=cfg.sweep_args())
     model = model_lesson.show_fits(sweep, block=5)   # read as blocks of 5 profiled steps are
-    table = model_lesson.show_residuals(model, runs | {"tp": tp} | zero12, block=5)
+    table = model_lesson.show_residuals(model, runs | {"tp": tp, "zero1": zero1}, block=5)
     model_lesson.claim_model(model, table, sweep)
     model_lesson.claim_residuals(model, table, sweep, cfg)
 """
@@ -98,13 +98,18 @@ def fits(sweep, block: int | None = None) -> dict[str, dict]:
 
 
 def show_fits(sweep, block: int | None = None) -> dict[str, dict]:
-    """The fitted latency and bandwidth per collective and the worst residual of the fit: timings, not compared."""
+    """The fitted latency and algorithm bandwidth per collective and the worst residual of the fit, with the rank
+    count they were fitted at: timings, not compared."""
     model = fits(sweep, block)
-    print(f"{'collective':<15} {'alpha (us)':>10} {'bandwidth (GB/s)':>17} {'worst residual':>15}")
+    world = sweep.result["world_size"]
+    print(f"{'collective':<15} {'alpha (us)':>10} {'algbw (GB/s)':>13} {'worst residual':>15}")
     for op, f in model.items():
         worst = max(f["residuals"], key=abs)
-        print(f"{op:<15} {f['alpha'] * 1e6:>10.0f} {f['bandwidth']:>17.2f} {worst:>+15.0%}")
-    print("time = alpha + bytes / bandwidth, least squares on relative error; residual = measured / fitted - 1")
+        print(f"{op:<15} {f['alpha'] * 1e6:>10.0f} {f['bandwidth']:>13.2f} {worst:>+15.0%}")
+    print(f"time = alpha + S / algbw, fitted at {world} ranks (least squares on relative error); residual = measured / "
+          "fitted - 1.\nS: the whole tensor; for all_gather, one rank's shard (it returns "
+          f"{world} x S); for send and send_recv, the message.\nalgbw is S / time, not notebook 00's bus bandwidth "
+          "(an all-reduce's busbw = algbw x 2(N-1)/N)")
     return model
 
 
