@@ -31,6 +31,7 @@ from helpers.calc.mesh import script_problem
 from helpers.rank import harness, lm
 from helpers.rank.devices import rank_device
 from helpers.rank.models import count_parameters
+from helpers.rank.pipeline import saved_bytes_by_module
 from helpers.rank.runtime import end_rank, launched_ranks, log0
 
 # checked by helpers.launch before any rank starts (and by main() below when started from a terminal)
@@ -93,17 +94,17 @@ def sync_partial_grads(model) -> None:
             p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
 
 
-def count_comms(model, x, y) -> dict:
-    """One forward and backward under CommDebugMode, no update: the collectives each phase issues."""
+def count_comms(model, x, y) -> tuple[dict, list]:
+    """One forward and backward under CommDebugMode, no update: each phase's collectives, each block's saved bytes."""
     with CommDebugMode() as forward:
-        _, loss = model(x, y)
+        (_, loss), saved = saved_bytes_by_module(lambda: model(x, y), dict(enumerate(model.blocks)))
     with CommDebugMode() as backward:
         loss.backward()
     with CommDebugMode() as grad_sync:
         sync_partial_grads(model)
     model.zero_grad(set_to_none=True)
     return {phase: {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
-            for phase, mode in (("forward", forward), ("backward", backward), ("grad_sync", grad_sync))}
+            for phase, mode in (("forward", forward), ("backward", backward), ("grad_sync", grad_sync))}, list(saved.values())
 
 
 def train(args, world_size, device):
@@ -129,7 +130,7 @@ def train(args, world_size, device):
          f"gpt={model.cfg.as_dict()} global_batch={args.batch_size * dp} sequences of {args.seq_len}")
     shards = {n: list(p.to_local().shape if isinstance(p, DTensor) else p.shape) for n, p in model.named_parameters()}
     xs, ys = zip(*(train_ds[i] for i in range(args.batch_size)))
-    comms = count_comms(model, torch.stack(xs).to(device), torch.stack(ys).to(device))
+    comms, saved = count_comms(model, torch.stack(xs).to(device), torch.stack(ys).to(device))
 
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size * dp,
                           skip=args.skip_steps)
@@ -150,7 +151,8 @@ def train(args, world_size, device):
     test_loss = lm.evaluate(model, test_ds, device, split=False)  # every forward needs every TP rank
     log0(f"test loss {test_loss:.3f} nats/char (unigram baseline {info.unigram_loss:.3f}) | "
          f"{run['train_seconds']:.1f} s training | {meter.throughput_line()}")
-    meter.rep.result(dp_rank=dp_rank, tp_rank=tp_rank, shard_shapes=shards, tp_comm_calls=comms)  # every rank
+    meter.rep.result(dp_rank=dp_rank, tp_rank=tp_rank, shard_shapes=shards, tp_comm_calls=comms,
+                     tp_saved_bytes=saved)  # every rank
     meter.report(framework="tp", test_loss=test_loss, unigram_loss=info.unigram_loss, vocab_size=info.vocab_size,
                  dataset=info.name, params=params, global_batch=args.batch_size * dp, gpt=model.cfg.as_dict(),
                  dtype=args.dtype, tp_degree=args.tp, dp_degree=dp, sequence_parallel=args.sp)

@@ -146,3 +146,43 @@ def test_the_script_claims_hold_for_the_course_scripts(capsys):
 def test_the_refusals_are_refused_before_anything_starts(capsys):
     lesson.claim_refusals(2)
     assert list(verdicts(capsys).values()) == [True]
+
+
+def saved_runs(nproc: int, cfg, sp_saved=None) -> dict:
+    """The three runs with each block's saved bytes as the formula gives them (``sp_saved``: TP+SP's instead)."""
+    from helpers.calc import activations
+
+    def saved(t, sp):
+        return activations.layer_bytes(lesson.SEQ_LEN, cfg.batch, lesson.D_MODEL, lesson.HEADS, tp=t, sp=sp,
+                                       gathered_whole=True)
+    out = {}
+    for label, t, sp in (("one process", 1, False), ("TP", nproc, False), ("TP+SP", nproc, True)):
+        run = tp_run(t, sp)
+        for res in run.results_by_rank().values():
+            res["tp_saved_bytes"] = [sp_saved if sp and sp_saved is not None else saved(t, sp)] * lesson.N_LAYER
+        out[label] = run
+    return out
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_the_activation_claim_holds_at_the_formula_and_fails_for_megatrons_count(nproc, capsys):
+    """torch's SP plan saves the all-gathered inputs whole; a run that held Megatron's count (everything / t) or
+    the TP count would contradict the claim, as would one block that differs from the others."""
+    from helpers.calc import activations
+
+    cfg = lesson.resolve("smoke", 0, nproc)
+    rows = lesson.claim_activations(saved_runs(nproc, cfg), cfg)
+    assert list(verdicts(capsys).values()) == [True]
+    sbh = 4 * lesson.SEQ_LEN * cfg.batch * lesson.D_MODEL
+    tp_row, sp_row = rows[1], rows[2]
+    stats = 4 * 4 * lesson.SEQ_LEN * cfg.batch  # the LayerNorms' mean and 1/std, sharded too
+    assert tp_row["formula"] - sp_row["formula"] == pytest.approx((2 * sbh + stats) * (1 - 1 / nproc))  # SP's saving
+    assert sp_row["formula"] - sp_row["megatron"] == pytest.approx(2 * sbh * (1 - 1 / nproc))  # what torch keeps
+    if nproc > 1:
+        megatron = activations.layer_bytes(lesson.SEQ_LEN, cfg.batch, lesson.D_MODEL, lesson.HEADS, tp=nproc, sp=True)
+        lesson.claim_activations(saved_runs(nproc, cfg, sp_saved=megatron), cfg)
+        assert list(verdicts(capsys).values()) == [False]
+    uneven = saved_runs(nproc, cfg)
+    uneven["TP"].results_by_rank()[0]["tp_saved_bytes"][-1] += 64
+    lesson.claim_activations(uneven, cfg)
+    assert list(verdicts(capsys).values()) == [False]

@@ -63,8 +63,13 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: boo
 
 
 def layer_terms(s: int, b: int, h: int, a: int, dtype: str = "fp32", attention: str = "math",
-                checkpoint: str = "none", tp: int = 1, sp: bool = False) -> dict:
+                checkpoint: str = "none", tp: int = 1, sp: bool = False, gathered_whole: bool = False) -> dict:
     """Bytes one GPT layer keeps for backward, by named term, as :mod:`helpers.rank.gpt` saves them.
+
+    ``gathered_whole`` (with ``sp``): the all-gathered LayerNorm outputs that attention's q/k/v and the MLP's up
+    projection read are kept whole for their backward, as torch's ``SequenceParallel`` plan does (2 s b h per rank,
+    whatever ``tp``). Megatron-LM keeps only this rank's 1/t of each and all-gathers it again in the backward
+    (Korthikanti et al. Sec. 4.2.3), which is the default here and eq. 4's count.
 
     Example::
 
@@ -76,7 +81,11 @@ def layer_terms(s: int, b: int, h: int, a: int, dtype: str = "fp32", attention: 
     whole = tp if sp else 1  # the LayerNorm region: whole on every rank unless sequence-parallel
     if checkpoint == "full":
         return {"block input": e * sbh / whole}
-    terms = {"LayerNorm inputs and outputs": 4 * e * sbh / whole,
+    if sp and gathered_whole:
+        ln = {"LayerNorm inputs": 2 * e * sbh / whole, "all-gathered LayerNorm outputs": 2 * e * sbh}
+    else:
+        ln = {"LayerNorm inputs and outputs": 4 * e * sbh / whole}
+    terms = {**ln,
              "LayerNorm mean and 1/std": 4 * e * b * s / whole,
              "q, k, v": 3 * e * sbh / split,
              "attention output": e * sbh / split,
@@ -91,17 +100,19 @@ def layer_terms(s: int, b: int, h: int, a: int, dtype: str = "fp32", attention: 
 
 
 def layer_bytes(s: int, b: int, h: int, a: int, dtype: str = "fp32", attention: str = "math",
-                checkpoint: str = "none", tp: int = 1, sp: bool = False) -> float:
+                checkpoint: str = "none", tp: int = 1, sp: bool = False, gathered_whole: bool = False) -> float:
     """The sum of :func:`layer_terms`: one layer's activation bytes per rank."""
-    return sum(layer_terms(s, b, h, a, dtype, attention, checkpoint, tp, sp).values())
+    return sum(layer_terms(s, b, h, a, dtype, attention, checkpoint, tp, sp, gathered_whole).values())
 
 
 def head_terms(s: int, b: int, h: int, vocab: int, dtype: str = "fp32") -> dict:
     """Bytes kept outside the layers: the final LayerNorm, the logits (the forward returns them) and
-    log_softmax's output inside the cross-entropy, and the int64 token ids and targets."""
+    log_softmax's output inside the cross-entropy, and the int64 token ids and targets. The GPT computes its loss
+    in fp32 at least (bf16 logits are widened first, as Megatron-LM's cross-entropy does), so log_softmax's output
+    is 4 bytes an element in bf16 too."""
     e = DTYPE_BYTES[dtype]
     return {"final LayerNorm input and output": 2 * e * s * b * h + 2 * e * b * s,
-            "logits and log_softmax": 2 * e * s * b * vocab,
+            "logits and log_softmax": (e + max(e, 4)) * s * b * vocab,
             "token ids and targets": 2 * INDEX_BYTES * s * b + INDEX_BYTES * s}
 
 

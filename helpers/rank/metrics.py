@@ -113,6 +113,7 @@ class TrainResult(TypedDict, total=False):
     dp_rank: int              # TP: this rank's place on the mesh's "dp" dimension (which data shard)
     shard_shapes: dict        # TP: {parameter name: the shape this rank holds (list of ints)}
     tp_comm_calls: dict       # TP: {"forward"|"backward"|"grad_sync": {collective: calls}} of one step, CommDebugMode
+    tp_saved_bytes: list      # TP: per block, the bytes of activations it saved for backward on this rank (local shards)
     activations: list         # gpt_memory.py: per measured shape, its GPT shape (seq_len, batch, d_model, n_head, n_layer,
                               # vocab, attention, dtype, checkpoint) and act_bytes: bytes MemTracker labels activations
                               # right after the forward (what autograd keeps for backward)

@@ -33,6 +33,37 @@ def local_storage(t: torch.Tensor):
     return t.untyped_storage()
 
 
+def saved_bytes_by_module(fn, modules: dict) -> tuple:
+    """``fn()`` and, per named module of ``modules``, the bytes autograd saved for backward while that module's
+    forward ran (each storage once, a DTensor's local shard, the modules' parameters left out): what each layer
+    keeps on this rank."""
+    exclude = {local_storage(p).data_ptr() for m in modules.values() for p in m.parameters()}
+    seen: dict[str, dict[int, int]] = {name: {} for name in modules}
+    current: list[str] = []
+
+    def pack(t):
+        storage = local_storage(t)
+        if current and storage.data_ptr() not in exclude:
+            seen[current[-1]][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def enter(name):
+        return lambda *_: current.append(name)  # returns None: the module's input stays as it is
+
+    def leave(*_):
+        current.pop()  # returns None: the module's output stays as it is
+
+    hooks = [m.register_forward_pre_hook(enter(name)) for name, m in modules.items()]
+    hooks += [m.register_forward_hook(leave) for m in modules.values()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, {name: sum(b.values()) for name, b in seen.items()}
+
+
 def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards of DTensors; elements x
     element size, since a shard can be a view of a larger storage)."""

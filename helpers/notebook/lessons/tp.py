@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ...calc import parity, tp
+from ...calc import activations, parity, tp
 from ...rank import metrics
 from ..checks import claim
 from ..i18n import say
@@ -213,6 +213,40 @@ def claim_comms(runs: dict, cfg: Settings) -> None:
     claim(f"on every rank, CommDebugMode counts exactly the formula's collectives in forward, backward and the "
           f"gradient sync, for TP and TP+SP on {cfg.nproc} ranks ({N_LAYER} layers, embedding and head terms included)",
           same)
+
+
+def activation_rows(runs: dict, cfg: Settings) -> list[dict]:
+    """Per run (one process, TP, TP+SP): what one block saved for backward on one rank (every block on every rank
+    must agree: ``spread`` is how far the others are from it), and the course's formula for it (torch's SP plan
+    keeps the all-gathered inputs of q/k/v and up whole), with Megatron-LM's SP count beside it."""
+    s, b, h, a = SEQ_LEN, cfg.batch, D_MODEL, HEADS
+    rows = []
+    for label, t, sp in (("one process", 1, False), ("TP", cfg.nproc, False), ("TP+SP", cfg.nproc, True)):
+        got = [x for res in runs[label].results_by_rank().values() for x in res["tp_saved_bytes"]]
+        rows.append(dict(run=label, ranks=t, measured=got[0], spread=max(abs(x - got[0]) for x in got),
+                         formula=activations.layer_bytes(s, b, h, a, tp=t, sp=sp, gathered_whole=True),
+                         megatron=activations.layer_bytes(s, b, h, a, tp=t, sp=sp), sbh=4 * s * b * h))
+    return rows
+
+
+def claim_activations(runs: dict, cfg: Settings) -> list[dict]:
+    """The table of :func:`activation_rows`, in KiB and in units of s b h fp32 elements, and the claim that every
+    block on every rank saved the formula's bytes, within 1% (the formula's small terms are exact here too)."""
+    rows = activation_rows(runs, cfg)
+    print(f"{'run':12s} {'ranks':>5} {'measured KiB':>13} {'= x sbh':>8} {'formula KiB':>12} {'Megatron SP KiB':>16}")
+    for r in rows:
+        megatron = f"{r['megatron'] / 1024:16.1f}" if r["run"] == "TP+SP" else f"{'-':>16}"
+        print(f"{r['run']:12s} {r['ranks']:>5} {r['measured'] / 1024:13.1f} {r['measured'] / r['sbh']:8.2f} "
+              f"{r['formula'] / 1024:12.1f} {megatron}")
+    print(f"one block's saved activations on one rank (s={SEQ_LEN}, b={cfg.batch}, h={D_MODEL}, a={HEADS}, fp32); "
+          "sbh = s x b x h x 4 bytes")
+    ok = all(r["spread"] == 0 and abs(r["measured"] - r["formula"]) <= 0.01 * r["formula"] for r in rows)
+    claim(f"every block on every rank saves the formula's bytes, within 1%: 16 sbh + the softmax in one process; "
+          f"with TP over t = {cfg.nproc} ranks the LayerNorms' inputs and outputs whole (4 sbh) and the rest / t; with "
+          "torch's SP plan the LayerNorms' inputs / t, their all-gathered outputs whole (2 sbh), the rest / t", ok,
+          measured=", ".join(f"{r['run']} {r['measured'] / r['sbh']:.3f} vs {r['formula'] / r['sbh']:.3f} sbh"
+                             for r in rows))
+    return rows
 
 
 def print_bytes(cfg: Settings, dtype_bytes: int = 4) -> None:
