@@ -1,11 +1,13 @@
 """Exercise task: the learner averages the gradients by hand after the backward, in one all-reduce (no overlap).
 
-    torchrun --nproc-per-node 2 helpers/rank/exercises/grad_sync.py --answer answer.py
+    torchrun --nproc-per-node 3 helpers/rank/exercises/grad_sync.py --answer answer.py
 
 Every rank builds the same small MLP (one seed) and a batch of its own (seeded by rank), runs the forward and
 backward without DDP, and calls the learner's ``average_gradients(model)``. The rank records its gradients before
-and after, how many all-reduces the learner issued (``dist.all_reduce`` counted), and the gradients DDP computes from
-the same weights and batch in float32 and float64 (their gap is the rounding floor of the checker's tolerance).
+and after, how many all-reduces the learner issued (counted at the process group,
+:class:`helpers.rank.exercises.traffic.Traffic`), and the gradients DDP computes from the same weights and batch in
+float32 and float64 (their gap is the rounding floor of the checker's tolerance). Then the same again on one rank
+fewer, in a new process group without the last rank: an answer that hard-codes the rank count fails one of the two.
 """
 import argparse
 
@@ -14,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers.rank.exercises import load_answer, run_task
+from helpers.rank.exercises import load_answer, one_rank_fewer, run_task
+from helpers.rank.exercises.traffic import Traffic
 from helpers.rank.runtime import end_rank, launched_ranks
 
 BATCH, WIDTH, LAYERS = 8, 16, 3
@@ -39,37 +42,38 @@ def ddp_grads(dtype, rank: int) -> list[float]:
     return grads(model)
 
 
+def one_run(average_gradients, rank: int, world: int) -> dict:
+    """DDP's gradients and the learner's, on the process group up now (``world`` ranks)."""
+    fields = {"world_size": world, "fp32": ddp_grads(torch.float32, rank), "fp64": ddp_grads(torch.float64, rank)}
+    model, x, y = model_and_batch(torch.float32, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    fields["local"] = grads(model)
+    with Traffic() as traffic:  # every all-reduce, under whatever name the learner called it
+        average_gradients(model)
+    fields.update(answer=grads(model), all_reduce_calls=len(traffic.elements("allreduce")),
+                  all_reduce_elements=traffic.elements("allreduce"), collectives=traffic.collectives(),
+                  parameters=sum(1 for _ in model.parameters()))
+    return fields
+
+
 def main() -> int:
-    rank, _, world = launched_ranks("torchrun --nproc-per-node 2 helpers/rank/exercises/grad_sync.py --answer FILE")
+    rank, _, world = launched_ranks("torchrun --nproc-per-node 3 helpers/rank/exercises/grad_sync.py --answer FILE")
     parser = argparse.ArgumentParser()
     parser.add_argument("--answer", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     average_gradients = load_answer(args.answer, "average_gradients")
+    store = dist.distributed_c10d._get_default_store()
 
     def task():
-        fields = {"world_size": world, "fp32": ddp_grads(torch.float32, rank), "fp64": ddp_grads(torch.float64, rank)}
-        model, x, y = model_and_batch(torch.float32, rank)
-        nn.functional.mse_loss(model(x), y).backward()
-        fields["local"] = grads(model)
-        calls = []
-        real = dist.all_reduce
-
-        def counted(tensor, *a, **k):
-            calls.append(tensor.numel())
-            return real(tensor, *a, **k)
-
-        dist.all_reduce = counted  # the learner's `dist.all_reduce(...)` comes through here
-        try:
-            average_gradients(model)
-        finally:
-            dist.all_reduce = real
-        fields.update(answer=grads(model), all_reduce_calls=len(calls), all_reduce_elements=calls,
-                      parameters=sum(1 for _ in model.parameters()))
-        return fields
+        runs = [one_run(average_gradients, rank, world)]
+        if world > 2 and one_rank_fewer(rank, world, store):  # a hard-coded rank count is right at most once
+            runs.append(one_run(average_gradients, rank, world - 1))
+        return {"world_size": world, "runs": runs}
 
     run_task(rank, task)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

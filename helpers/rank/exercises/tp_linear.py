@@ -1,12 +1,16 @@
 """Exercise task: the learner writes a column-parallel and a row-parallel linear layer by hand (Megatron's f and g).
 
-    torchrun --nproc-per-node 2 helpers/rank/exercises/tp_linear.py --answer answer.py
+    torchrun --nproc-per-node 3 helpers/rank/exercises/tp_linear.py --answer answer.py
 
 The learner's ``column_row_linears(x, w1, w2)`` gets the same input ``x`` (batch, D_IN) and the same full weights
 ``w1`` (HIDDEN, D_IN) and ``w2`` (D_OUT, HIDDEN) on every rank and returns ``(y, w1_local, w2_local)``: y =
 gelu(x w1^T) w2^T computed from this rank's shards only, which are leaves that require grad. The rank records its
 output, the gradient of ``x`` and of each shard under one fixed loss, and the same from two ``nn.Linear`` on one
-process in float32 and float64 (their gap is the rounding floor of the checker's tolerance), sliced to this rank.
+process in float32 and float64 (their gap is the rounding floor of the checker's tolerance), sliced to this rank,
+and what the forward and backward communicated (each process-group call's op and elements,
+:class:`helpers.rank.exercises.traffic.Traffic`): column- then row-parallel all-reduces y once forward and x's
+gradient once backward, and a rank that computes the whole layer from the full weights sends nothing. Then the same
+on one rank fewer (a new process group without the last rank), where there are more than 2.
 """
 import argparse
 
@@ -15,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers.rank.exercises import load_answer, run_task
+from helpers.rank.exercises import load_answer, one_rank_fewer, run_task
+from helpers.rank.exercises.traffic import Traffic
 from helpers.rank.runtime import end_rank, launched_ranks
 
 BATCH, D_IN, HIDDEN, D_OUT = 4, 6, 24, 5
@@ -44,26 +49,32 @@ def reference(dtype, rank: int, world: int) -> dict:
 
 
 def main() -> int:
-    rank, _, world = launched_ranks("torchrun --nproc-per-node 2 helpers/rank/exercises/tp_linear.py --answer FILE")
+    rank, _, world = launched_ranks("torchrun --nproc-per-node 3 helpers/rank/exercises/tp_linear.py --answer FILE")
     parser = argparse.ArgumentParser()
     parser.add_argument("--answer", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     column_row_linears = load_answer(args.answer, "column_row_linears")
+    store = dist.distributed_c10d._get_default_store()
 
-    def task():
+    def one_run(world: int) -> dict:
         fields = {"world_size": world, "shapes": {"w1": [HIDDEN, D_IN], "w2": [D_OUT, HIDDEN]},
                   "fp32": reference(torch.float32, rank, world), "fp64": reference(torch.float64, rank, world)}
         x, w1, w2, target = inputs(torch.float32)
         x.requires_grad_()
-        returned = column_row_linears(x, w1, w2)
+        with Traffic() as forward:
+            returned = column_row_linears(x, w1, w2)
         if not (isinstance(returned, tuple) and len(returned) == 3):
             return {**fields, "returned": repr(type(returned).__name__)}
         y, w1_local, w2_local = returned
         fields.update(w1_local_shape=list(w1_local.shape), w2_local_shape=list(w2_local.shape),
                       leaves=bool(w1_local.is_leaf and w2_local.is_leaf and w1_local.requires_grad
                                   and w2_local.requires_grad))
-        (y * target).sum().backward()
+        with Traffic() as backward:
+            (y * target).sum().backward()
+        fields["comm"] = {phase: [list(call) for call in t.calls] + ([["unseen", t.unseen, 0]] if t.unseen else [])
+                          for phase, t in (("forward", forward), ("backward", backward))}
+        fields["comm"]["sizes"] = {"y": BATCH * D_OUT, "x_grad": BATCH * D_IN}
         fields["answer"] = {"y": y.detach().flatten().tolist(),
                             "x_grad": [] if x.grad is None else x.grad.flatten().tolist(),
                             "w1_grad": [] if w1_local.grad is None else w1_local.grad.flatten().tolist(),
@@ -72,8 +83,15 @@ def main() -> int:
                             "w2_shard": w2_local.detach().flatten().tolist()}
         return fields
 
+    def task():
+        runs = [one_run(world)]
+        if world > 2 and one_rank_fewer(rank, world, store):  # shards cut for one rank count fail the other
+            runs.append(one_run(world - 1))
+        return {"world_size": world, "runs": runs}
+
     run_task(rank, task)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
