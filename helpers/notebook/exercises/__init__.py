@@ -91,15 +91,28 @@ def _never_raises(check):
     return wrapper
 
 
-def _whole_number(answer) -> int | None:
-    """``answer`` as an int if it is a whole number (int, integral float, 1-element tensor), else None."""
-    if hasattr(answer, "numel") and callable(answer.numel) and answer.numel() == 1:
+def _real_number(answer) -> int | float | None:
+    """``answer`` as a finite real number, or None: any ``numbers.Real`` (int, float, ``fractions.Fraction``, a numpy
+    scalar) and a one-element tensor or array (its ``.item()``); never a bool, a string or a list. Whole numbers stay
+    ``int`` (exact), the rest become ``float`` (what the checkers compare and format). The one reading of a numeric
+    answer that every checker shares."""
+    one = getattr(answer, "size", None) == 1 or callable(getattr(answer, "numel", None)) and answer.numel() == 1
+    if one and callable(getattr(answer, "item", None)):  # a tensor's numel(), an array's size
         answer = answer.item()
     if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
         return None
     if isinstance(answer, numbers.Integral):
         return int(answer)
-    return int(answer) if math.isfinite(answer) and float(answer).is_integer() else None
+    value = float(answer)
+    return value if math.isfinite(value) else None
+
+
+def _whole_number(answer) -> int | None:
+    """``answer`` as an int if it is a whole number (see :func:`_real_number`), else None."""
+    value = _real_number(answer)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    return value
 
 
 def _not_a_number(answer) -> Verdict:

@@ -11,24 +11,19 @@ Example::
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 from helpers.calc import comm
-from helpers.notebook.exercises import Verdict, _never_raises
+from helpers.notebook.exercises import Verdict, _never_raises, _real_number
 from helpers.notebook.i18n import _
 
 _TOLERANCE = 0.01  # relative: a GB/s figure rounded to 2-3 digits is right
 
 
 def _real(answer) -> float | None:
-    """``answer`` as a finite float (int, float, 1-element tensor), else None."""
-    if hasattr(answer, "numel") and callable(answer.numel) and answer.numel() == 1:
-        answer = answer.item()
-    if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
-        return None
-    value = float(answer)
-    return value if math.isfinite(value) else None
+    """``answer`` as a finite float (see :func:`helpers.notebook.exercises._real_number`), else None."""
+    value = _real_number(answer)
+    return None if value is None else float(value)
 
 
 def _close(value: float, target: float) -> bool:

@@ -16,17 +16,15 @@ from __future__ import annotations
 import math
 
 from ..i18n import _
-from . import Verdict, _never_raises
+from . import Verdict, _never_raises, _real_number
 
 # --- 05, exercise 1: DeepSpeed's WarmupLR ----------------------------------------------------------------------
 
 
 def _number(answer) -> float | None:
-    if hasattr(answer, "numel") and callable(answer.numel) and answer.numel() == 1:
-        answer = answer.item()
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
-        return None
-    return float(answer)
+    """``answer`` as a finite float (see :func:`helpers.notebook.exercises._real_number`), else None."""
+    value = _real_number(answer)
+    return None if value is None else float(value)
 
 
 @_never_raises

@@ -9,7 +9,7 @@ import ast
 
 from ...calc import activations
 from ..i18n import _
-from . import Verdict, _never_raises, _not_a_number
+from . import Verdict, _never_raises, _not_a_number, _real_number
 from .ranks import PARITY_K, PREAMBLE, function_source, is_stub, launch_problem, parity_bound, run_on_ranks, \
     stub_verdict
 
@@ -20,8 +20,10 @@ PREAMBLE.setdefault("run_blocks", "import torch\nfrom torch.utils.checkpoint imp
 def check_layer_bytes(answer, *, s: int, b: int, h: int, a: int, dtype: str = "fp32") -> Verdict:
     """How many bytes does one layer of the course's GPT ("math" attention, no checkpointing) keep for backward?
     Within 1% of :func:`helpers.calc.activations.layer_bytes` (which adds LayerNorm statistics and the mask)."""
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+    value = _real_number(answer)
+    if value is None:
         return _not_a_number(answer)
+    answer = value  # a Fraction, a numpy scalar or a 0-d tensor, read as a number
     e = activations.DTYPE_BYTES[dtype]
     exact = activations.layer_bytes(s, b, h, a, dtype)
     main = e * (16 * s * b * h + a * s * s * b)

@@ -18,12 +18,10 @@ Example::
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Mapping
 
 from ..i18n import _
-from . import Verdict, _never_raises, _whole_number
+from . import Verdict, _never_raises, _real_number, _whole_number
 
 GIB = 2**30
 
@@ -39,11 +37,9 @@ def _fitting_stages(params: float, world_size: int, budget_gib: float, precision
 
 
 def _number(answer) -> float | None:
-    if hasattr(answer, "numel") and callable(answer.numel) and answer.numel() == 1:
-        answer = answer.item()
-    if isinstance(answer, bool) or not isinstance(answer, numbers.Real) or not math.isfinite(answer):
-        return None
-    return float(answer)
+    """``answer`` as a finite float (see :func:`helpers.notebook.exercises._real_number`), else None."""
+    value = _real_number(answer)
+    return None if value is None else float(value)
 
 
 @_never_raises
