@@ -22,10 +22,11 @@ from pathlib import Path
 
 from ... import launch
 from ...rank.exercises.resume import KILLED
+from .. import i18n
 from ..i18n import _
 from . import Verdict, _never_raises
-from .ranks import (PARITY_K, close, function_source, is_stub, launch_problem, parity_bound, run_on_ranks,
-                    stub_verdict)
+from .ranks import (PARITY_K, by_world, close, function_source, is_stub, launch_problem, one_count_hint,
+                    parity_bound, run_on_ranks, stub_verdict)
 # the ZeRO chapters' checkers (03, 04) live in write_zero.py; notebooks call them through this module
 from .write_zero import (DS_ACCUMULATION, DS_ARGS, DS_MICRO, DS_PARAMS, check_ds_config, check_zero1,  # noqa: F401
                          ds_budget_bytes)
@@ -36,9 +37,12 @@ from .write_trace import check_diagnosis, check_exposed, check_grad_sync  # noqa
 
 @_never_raises
 def check_ring_all_reduce(ring_all_reduce, nproc: int = 3) -> Verdict:
-    """Run the learner's ``ring_all_reduce(tensor)`` (sum in place, from send/recv only) on ``nproc`` ranks for a
+    """Run the learner's ``ring_all_reduce(tensor)`` (sum in place, from send/recv only) on ``nproc`` ranks, then on
+    ``nproc - 1`` where that is more than 1 (a ring written for one rank count fails the other), for a
     tensor that splits evenly, one that does not, and one shorter than the number of ranks; check the sums, that
-    no built-in collective was called, and that the ranks together sent 2(N-1) times the tensor, as the ring does."""
+    no built-in collective ran (counted at the process group, whatever name reached it: an alias, an object
+    collective, a functional collective) and that the ranks together sent, point-to-point (dist.send, dist.isend,
+    dist.batch_isend_irecv), 2(N-1) times the tensor, as the ring does: no more, and no less."""
     source = function_source(ring_all_reduce, "ring_all_reduce")
     if is_stub(source, "ring_all_reduce"):
         return stub_verdict()
@@ -46,15 +50,39 @@ def check_ring_all_reduce(ring_all_reduce, nproc: int = 3) -> Verdict:
     problem = launch_problem(outcomes, error, _(
         "A blocking dist.send returns only once the message is on its way; if every rank sends a large chunk "
         "before any rank receives, all of them wait. Post the receive too: dist.isend + dist.irecv, then wait on "
-        "both."), "ring_all_reduce", source)
+        "both."), "ring_all_reduce", source, right_run=lambda run: all(c["correct"] for c in run["cases"]))
     if problem is not None:
         return problem
+    runs = by_world(outcomes)
+    verdicts = {world: _ring_verdict(runs[world], world) for world in sorted(runs, reverse=True)}
+    right = [world for world, v in verdicts.items() if v.ok]
+    for world, verdict in verdicts.items():
+        sums_wrong = not all(c["correct"] for o in runs[world].values() for c in o["cases"])
+        if not verdict.ok and right and sums_wrong:  # right sums at the other rank count: written for one count
+            return Verdict(False, verdict.message, one_count_hint(right[0], world))
+        if not verdict.ok:  # (sent bytes can match a ring's at 2 ranks by chance: that is no rank-count slip)
+            return verdict
+    if len(runs) == 1:
+        return verdicts[nproc]
+    o = runs[nproc]
+    per_rank = sum(o[r]["cases"][0]["sent_bytes"] for r in o) / nproc / o[0]["cases"][0]["bytes"]
+    return Verdict(True, _("on {nproc} and {fewer} ranks every rank holds the sum for {n_cases} tensor sizes, from "
+                           "point-to-point messages alone; on {nproc}, each rank sent {per_rank:.3f} x the tensor, "
+                           "which is 2(N-1)/N = {formula:.3f}.", nproc=nproc, fewer=min(runs),
+                           n_cases=len(o[0]["cases"]), per_rank=per_rank, formula=2 * (nproc - 1) / nproc))
+
+
+def _ring_verdict(outcomes: dict[int, dict], nproc: int) -> Verdict:
+    """The verdict on one run of ``nproc`` ranks."""
+    point_to_point = _("Build it from point-to-point messages only: dist.send/dist.recv or dist.isend/dist.irecv "
+                       "to the next and from the previous rank in the ring.")
     used = sorted({name for o in outcomes.values() for name in o["built_ins"]})
-    if used:
-        return Verdict(False, _("your function called dist.{names}, which does the work for you.",
-                                names=", dist.".join(used)),
-                       _("Build it from point-to-point messages only: dist.send/dist.recv or dist.isend/dist.irecv "
-                         "to the next and from the previous rank in the ring."))
+    if used:  # counted at the process group: under any name, an object collective, a functional collective
+        from ...rank.exercises.traffic import UNSEEN
+        names = [_("a functional collective, below torch.distributed's Python functions") if name == UNSEEN
+                 else name for name in used]
+        return Verdict(False, _("your function ran a built-in collective ({names}), which does the work for you.",
+                                names=i18n.join(names)), point_to_point)
     n_cases = len(outcomes[0]["cases"])
     for i in range(n_cases):
         cases = [outcomes[r]["cases"][i] for r in sorted(outcomes)]
@@ -79,6 +107,12 @@ def check_ring_all_reduce(ring_all_reduce, nproc: int = 3) -> Verdict:
                                        "it receives from rank r - 1 into its own copy."))
     ring_total = [2 * (nproc - 1) * outcomes[0]["cases"][i]["bytes"] for i in range(n_cases)]
     sent_total = [sum(outcomes[r]["cases"][i]["sent_bytes"] for r in outcomes) for i in range(n_cases)]
+    if any(s < t for s, t in zip(sent_total, ring_total)):  # each chunk goes round the ring twice: no less will do
+        i = next(i for i in range(n_cases) if sent_total[i] < ring_total[i])
+        return Verdict(False, _("the sums are right, but the ranks sent only {sent} bytes point-to-point for a "
+                                "{size}-byte tensor; the ring sends 2(N-1) x {size} = {ring}, so something else "
+                                "carried the data.", sent=sent_total[i], size=outcomes[0]["cases"][i]["bytes"],
+                                ring=ring_total[i]), point_to_point)
     if any(s > t for s, t in zip(sent_total, ring_total)):
         i = next(i for i in range(n_cases) if sent_total[i] > ring_total[i])
         return Verdict(False, _("the sums are right, but the ranks sent {sent} bytes for a {size}-byte tensor; a ring "

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from ...calc import parity, tp
 from ..i18n import _
-from . import Verdict, _never_raises, _not_a_number
-from .ranks import PARITY_K, PREAMBLE, function_source, is_stub, launch_problem, run_on_ranks, stub_verdict
+from . import Verdict, _never_raises, _not_a_number, _real_number
+from .ranks import (PARITY_K, PREAMBLE, by_world, function_source, is_stub, launch_problem, one_count_hint,
+                    run_on_ranks, stub_verdict)
 
 PREAMBLE.setdefault("column_row_linears", "import torch\nimport torch.distributed as dist\n"
                                           "import torch.nn.functional as F\n")
@@ -31,13 +32,16 @@ def _summed(outcomes: dict, key: str) -> list[float]:
 
 @_never_raises
 def check_tp_linears(column_row_linears, nproc: int = 2) -> Verdict:
-    """Run the learner's ``column_row_linears(x, w1, w2) -> (y, w1_local, w2_local)`` on ``nproc`` ranks and compare
-    the output, the input's gradient and each shard's gradient with two ``nn.Linear`` on one process, within
-    :data:`PARITY_K` x the fp32-vs-fp64 floor of each quantity; each classic mistake gets its hint."""
+    """Run the learner's ``column_row_linears(x, w1, w2) -> (y, w1_local, w2_local)`` on ``nproc + 1`` ranks, then
+    on ``nproc`` (a new process group without the last rank: shards cut for one rank count fail the other), and
+    compare the output, the input's gradient and each shard's gradient with two ``nn.Linear`` on one process, within
+    :data:`PARITY_K` x the fp32-vs-fp64 floor of each quantity; then the bytes each rank all-reduced with what
+    column- then row-parallel needs (a rank that computes the whole layer sends none). Each classic mistake gets
+    its hint."""
     source = function_source(column_row_linears, "column_row_linears")
     if is_stub(source, "column_row_linears"):
         return stub_verdict()
-    outcomes, error = run_on_ranks("tp_linear", source, "column_row_linears", nproc)
+    outcomes, error = run_on_ranks("tp_linear", source, "column_row_linears", nproc + 1)
     failed = [o["error"] for o in outcomes.values() if "error" in o]
     if failed and "cannot be multiplied" in failed[0]["message"]:
         return Verdict(False, _("rank 0 stopped: the shapes do not multiply ({error}).", error=failed[0]["message"]),
@@ -49,6 +53,24 @@ def check_tp_linears(column_row_linears, nproc: int = 2) -> Verdict:
                              "column_row_linears", source)
     if problem is not None:
         return problem
+    runs = by_world(outcomes)
+    verdicts = {world: _tp_verdict(runs[world], world) for world in sorted(runs)}
+    right = [world for world, v in verdicts.items() if v is None]
+    for world, verdict in verdicts.items():
+        if verdict is not None:  # right at the other rank count: written for one count only
+            return Verdict(False, verdict.message, one_count_hint(right[0], world)) if right else verdict
+    o = runs[min(runs)][0]
+    gap = max(max(abs(a - b) for a, b in zip(r["answer"][k], r["fp32"][k])) for world in runs
+              for r in runs[world].values() for k in QUANTITIES)
+    need = 4 * (o["comm"]["sizes"]["y"] + o["comm"]["sizes"]["x_grad"])
+    return Verdict(True, _("on {small} and {large} ranks, y, the gradient of x and of both shards match two nn.Linear "
+                           "on one process (largest gap {gap:.1g}, within {k} x the fp32-vs-fp64 floor of each), and "
+                           "each rank all-reduced {need} bytes: y forward, x's gradient backward, never a weight.",
+                           small=min(runs), large=max(runs), gap=gap, k=PARITY_K, need=need))
+
+
+def _tp_verdict(outcomes: dict[int, dict], nproc: int) -> Verdict | None:
+    """What is wrong with one run of ``nproc`` ranks (None: nothing)."""
     o = outcomes[0]
     if "returned" in o:
         return Verdict(False, _("column_row_linears returned a {kind}, not (y, w1_local, w2_local).",
@@ -93,11 +115,41 @@ def check_tp_linears(column_row_linears, nproc: int = 2) -> Verdict:
                              "to the gradient of the whole input."))
         return Verdict(False, _("x's gradient differs from nn.Linear's."),
                        _("f: identity forward, all-reduce backward; g: all-reduce forward, identity backward."))
-    gap = max(max(abs(a - b) for a, b in zip(r["answer"][k], r["fp32"][k])) for r in outcomes.values()
-              for k in QUANTITIES)
-    return Verdict(True, _("on {nproc} ranks, y, the gradient of x and of both shards match two nn.Linear on one "
-                           "process (largest gap {gap:.1g}, within {k} x the fp32-vs-fp64 floor of each).",
-                           nproc=nproc, gap=gap, k=PARITY_K))
+    return _communication_problem(o)
+
+
+def _communication_problem(o: dict) -> Verdict | None:
+    """Right numbers can still come from the whole layer on every rank: what rank 0 sent must be what column- then
+    row-parallel sends, one all-reduce of y (g's forward) and one of x's gradient (f's backward), in float32."""
+    comm, sizes = o["comm"], o["comm"]["sizes"]
+    calls = [(phase, op, n, size) for phase in ("forward", "backward") for op, n, size in comm[phase]
+             if op not in ("barrier", "monitored_barrier")]
+    need = {"forward": [4 * sizes["y"]], "backward": [4 * sizes["x_grad"]]}
+    sent = sum(size for _phase, _op, _n, size in calls)
+    if not calls:
+        return Verdict(False, _("y and every gradient are right, but the ranks exchanged nothing: each rank computed "
+                                "the whole layer from the full weights, where column- and row-parallel all-reduce "
+                                "{need} bytes per rank.", need=sum(map(sum, need.values()))),
+                       _("Each rank holds and uses only its shards: y_partial = gelu(x w1_local^T) w2_local^T, then "
+                         "g sums the ranks' partial outputs (all_reduce in its forward) and f sums the input's "
+                         "gradient (all_reduce in its backward)."))
+    others = sorted({op for _phase, op, _n, _size in calls if op != "allreduce"})
+    if others:
+        return Verdict(False, _("y and every gradient are right, but the ranks also ran {ops}: {sent} bytes per rank "
+                                "where the two all-reduces need {need}.", ops=", ".join(others), sent=sent,
+                                need=sum(map(sum, need.values()))),
+                       _("In tensor parallelism only activations cross between ranks, never weights: each rank keeps "
+                         "its shards, and g's forward and f's backward each all-reduce once."))
+    got = {phase: [size for ph, _op, _n, size in calls if ph == phase] for phase in ("forward", "backward")}
+    if got != need:
+        return Verdict(False, _("y and every gradient are right, but a rank all-reduced {forward} bytes in the "
+                                "forward and {backward} in the backward; column- and row-parallel need {need_forward} "
+                                "(y, once) and {need_backward} (x's gradient, once).",
+                                forward=sum(got["forward"]), backward=sum(got["backward"]),
+                                need_forward=need["forward"][0], need_backward=need["backward"][0]),
+                       _("f: identity forward, all-reduce backward; g: all-reduce forward, identity backward. One "
+                         "all-reduce each way, of the activation (or its gradient), in float32."))
+    return None
 
 
 @_never_raises
@@ -105,8 +157,10 @@ def check_tp_bytes(answer, *, n_layer: int, batch: int, seq_len: int, d_model: i
                    bytes_per_element: int = 2) -> Verdict:
     """Bytes one rank sends per training step for the layers' activations under plain TP on a ring (NCCL's
     all-reduce): :func:`helpers.calc.tp.activation_bytes_per_step`, within 1%."""
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+    value = _real_number(answer)
+    if value is None:
         return _not_a_number(answer)
+    answer = value  # a Fraction, a numpy scalar or a 0-d tensor, read as a number
     right = tp.activation_bytes_per_step(n_layer, batch, seq_len, d_model, tp_degree, False, bytes_per_element)
     full = tp.activation_elements(batch, seq_len, d_model) * bytes_per_element
     close = lambda value: abs(answer - value) <= 0.01 * value  # noqa: E731

@@ -17,8 +17,9 @@ import re
 from ...calc import parity
 from ...calc import traces as calc
 from ..i18n import _
-from . import Verdict, _never_raises, _whole_number
-from .ranks import PARITY_K, PREAMBLE, function_source, is_stub, launch_problem, run_on_ranks, stub_verdict
+from . import Verdict, _never_raises, _real_number, _whole_number
+from .ranks import (PARITY_K, PREAMBLE, by_world, function_source, is_stub, launch_problem, run_on_ranks,
+                    stub_verdict)
 
 PREAMBLE.setdefault("average_gradients", "import torch\nimport torch.distributed as dist\n")
 
@@ -38,9 +39,11 @@ def _op_name(answer) -> str | None:
 def check_exposed(answer, *, compute: list, comm: list) -> Verdict:
     """Milliseconds of one step's communication that no compute covered, from its compute and communication
     intervals (``[(start, end), ...]`` in ms): :func:`helpers.calc.traces.minus` of their unions, within 1%."""
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+    value = _real_number(answer)
+    if value is None:
         return Verdict(False, _("expected milliseconds (a number), got {answer!r} ({answer_type}).", answer=answer,
                                 answer_type=type(answer).__name__), _("Answer with a number such as 12.5."))
+    answer = value  # a Fraction, a numpy scalar or a 0-d tensor, read as a number
     busy, talk = calc.union(map(tuple, compute)), calc.union(map(tuple, comm))
     right = calc.length(calc.minus(talk, busy))
     close = lambda value: abs(answer - value) <= 0.01 * max(value, 1e-9)  # noqa: E731
@@ -68,18 +71,45 @@ def _gap(a: list[float], b: list[float]) -> float:
 
 @_never_raises
 def check_grad_sync(average_gradients, nproc: int = 2) -> Verdict:
-    """Run the learner's ``average_gradients(model)`` on ``nproc`` ranks after a backward without DDP and compare
-    every gradient with DDP's from the same weights and batches, within :data:`PARITY_K` x the gap between DDP's
-    float32 and float64 gradients; then count the all-reduces (one is the point: no overlap, one message)."""
+    """Run the learner's ``average_gradients(model)`` after a backward without DDP on ``nproc + 1`` ranks, then on
+    ``nproc`` (a new process group without the last rank: an answer that hard-codes the rank count is wrong at one
+    of them), and compare every gradient with DDP's from the same weights and batches, within :data:`PARITY_K` x the
+    gap between DDP's float32 and float64 gradients; then count the all-reduces at the process group (one is the
+    point: no overlap, one message)."""
     source = function_source(average_gradients, "average_gradients")
     if is_stub(source, "average_gradients"):
         return stub_verdict()
-    outcomes, error = run_on_ranks("grad_sync", source, "average_gradients", nproc)
+    outcomes, error = run_on_ranks("grad_sync", source, "average_gradients", nproc + 1)
     problem = launch_problem(outcomes, error, _("Every rank must call the same collectives in the same order: an "
                                                  "all_reduce on one rank waits for all the others."),
                              "average_gradients", source)
     if problem is not None:
         return problem
+    runs = by_world(outcomes)
+    verdicts = {world: _grad_sync_verdict(runs[world], world) for world in sorted(runs)}
+    right = [world for world, v in verdicts.items() if v is None]
+    for world, verdict in verdicts.items():
+        if verdict is None:
+            continue
+        if right and verdict.hint == _FIXED_COUNT_HINT:
+            return Verdict(False, verdict.message, _("On {right} ranks your gradients are DDP's, on {world} they are "
+                                                     "not: the division must follow the run. Divide by "
+                                                     "dist.get_world_size(), not by a fixed number.",
+                                                     right=right[0], world=world))
+        return verdict
+    gap = max(_gap(o["answer"], o["fp32"]) for world in runs for o in runs[world].values())
+    return Verdict(True, _("on {small} and {large} ranks, one all-reduce of {elements} values gives DDP's gradients "
+                           "(largest gap {gap:.1g}, within {k} x the fp32-vs-fp64 floor).", small=min(runs),
+                           large=max(runs), elements=runs[min(runs)][0]["all_reduce_elements"][0], gap=gap,
+                           k=PARITY_K))
+
+
+_FIXED_COUNT_HINT = _("all_reduce adds; DDP averages. Divide by dist.get_world_size(), the number of ranks of this "
+                      "run, not by a fixed number.")
+
+
+def _grad_sync_verdict(outcomes: dict[int, dict], nproc: int) -> Verdict | None:
+    """What is wrong with one run of ``nproc`` ranks (None: nothing)."""
     tolerance = {r: PARITY_K * parity.floor(o["fp32"], o["fp64"]) for r, o in outcomes.items()}
     wrong = [r for r, o in outcomes.items() if _gap(o["answer"], o["fp32"]) > tolerance[r]]
     if wrong:
@@ -92,20 +122,39 @@ def check_grad_sync(average_gradients, nproc: int = 2) -> Verdict:
             return Verdict(False, _("the gradients are {nproc} x DDP's: the sum over the ranks, not the mean.",
                                     nproc=nproc),
                            _("all_reduce adds; DDP averages. Divide by dist.get_world_size()."))
+        ratio = _ratio(o["answer"], o["fp32"])
+        if ratio is not None and all(_gap([v / ratio for v in out["answer"]], out["fp32"]) <= tolerance[r]
+                                     for r, out in outcomes.items()):
+            return Verdict(False, _("on {nproc} ranks the gradients are {ratio:.3g} x DDP's: the sum divided by "
+                                    "{divisor:.3g}, not by {nproc}.", nproc=nproc, ratio=ratio,
+                                    divisor=nproc / ratio), _FIXED_COUNT_HINT)
         return Verdict(False, _("the gradients differ from DDP's (on ranks {ranks}).", ranks=wrong),
                        _("Every rank must end with the mean over the ranks of each parameter's gradient, in that "
                          "parameter's p.grad."))
-    calls = outcomes[0]["all_reduce_calls"]
+    first = outcomes[min(outcomes)]
+    others = [name for name in first.get("collectives", ["all_reduce"]) if name != "all_reduce"]
+    if others:
+        return Verdict(False, _("the gradients are right, made with {names}; the exercise asks for one all_reduce.",
+                                names=", ".join(["all_reduce"] * bool(first["all_reduce_calls"]) + others)),
+                       _("Flatten the gradients into one tensor, all_reduce it once, divide, and copy each slice "
+                         "back: one message, one latency."))
+    calls = first["all_reduce_calls"]
     if calls != 1:
         return Verdict(False, _("the gradients are right, with {calls} all-reduces per step; the exercise asks for "
                                 "one.", calls=calls),
                        _("One message per parameter pays the latency {calls} times. Flatten them first: "
                          "flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]), one all_reduce, then "
                          "copy each slice back.", calls=calls))
-    gap = max(_gap(o["answer"], o["fp32"]) for o in outcomes.values())
-    return Verdict(True, _("on {nproc} ranks, one all-reduce of {elements} values gives DDP's gradients (largest gap "
-                           "{gap:.1g}, within {k} x the fp32-vs-fp64 floor).", nproc=nproc,
-                           elements=outcomes[0]["all_reduce_elements"][0], gap=gap, k=PARITY_K))
+    return None
+
+
+def _ratio(answer: list[float], reference: list[float]) -> float | None:
+    """answer / reference, read off the largest reference value (None: no usable element, or a ratio of 1)."""
+    i = max(range(len(reference)), key=lambda k: abs(reference[k]), default=None)
+    if i is None or len(answer) != len(reference) or reference[i] == 0:
+        return None
+    ratio = answer[i] / reference[i]
+    return None if ratio == 0 or abs(ratio - 1) < 1e-6 else ratio
 
 
 @_never_raises

@@ -8,8 +8,8 @@ from __future__ import annotations
 from ... import launch
 from ..i18n import _
 from . import Verdict, _never_raises
-from .ranks import (PARITY_K, PREAMBLE, close, function_source, is_stub, launch_problem, run_on_ranks,
-                    stub_verdict)
+from .ranks import (PARITY_K, PREAMBLE, by_world, close, function_source, is_stub, launch_problem, one_count_hint,
+                    run_on_ranks, stub_verdict)
 
 
 DS_PARAMS, DS_MICRO, DS_ACCUMULATION = 20_000_000, 4, 2  # the model and batch of the ds_config exercise (03)
@@ -85,12 +85,13 @@ def check_zero1(zero1_train, nproc: int = 2) -> Verdict:
     flattened weights only) on ``nproc`` ranks, in float32 and float64; check that every rank ends with DDP's
     weights (one process on every rank's samples; float64 within :func:`helpers.calc.parity.fp64_bound` of the
     floor measured in the same run, float32 within K floors), that each rank's optimizer holds about 1/N of the
-    weights, and that a step sends at most 1.5x what DDP's all-reduce sends."""
+    weights, and that a step sends at most 1.5x what DDP's all-reduce sends. It runs on ``nproc + 1`` ranks, then on
+    ``nproc`` (a new process group without the last rank): an answer written for one rank count fails the other."""
     from ...calc import parity
     source = function_source(zero1_train, "zero1_train")
     if is_stub(source, "zero1_train"):
         return stub_verdict()
-    outcomes, error = run_on_ranks("zero_shard", source, "zero1_train", nproc)
+    outcomes, error = run_on_ranks("zero_shard", source, "zero1_train", nproc + 1)
     if any("invalid tensor size" in o.get("error", {}).get("message", "") for o in outcomes.values()):
         return Verdict(False, _("a collective got tensors of different sizes on different ranks."),
                        _("Collectives want the same size on every rank: round the shard size up, "
@@ -101,6 +102,20 @@ def check_zero1(zero1_train, nproc: int = 2) -> Verdict:
         "and the all-gather on every rank, in every step."), "zero1_train", source)
     if problem is not None:
         return problem
+    runs = by_world(outcomes)
+    verdicts = {world: _zero1_verdict(runs[world], world) for world in sorted(runs)}
+    right = [world for world, v in verdicts.items() if v.ok]
+    for world, verdict in verdicts.items():
+        if not verdict.ok:  # right at the other rank count: written for one count only
+            return Verdict(False, verdict.message, one_count_hint(right[0], world)) if right else verdict
+    if len(runs) == 1:
+        return verdicts[min(runs)]
+    return _zero1_verdict(runs[nproc], nproc, also=max(runs))
+
+
+def _zero1_verdict(outcomes: dict[int, dict], nproc: int, also: int | None = None) -> Verdict:
+    """The verdict on one run of ``nproc`` ranks (right: said for ``also`` ranks too, which were right as well)."""
+    from ...calc import parity
     o = outcomes[0]
     numel, world, ref = o["numel"], o["world_size"], o["reference"]
     d32, d64 = (o["runs"][name] for name in ("fp32", "fp64"))
@@ -166,6 +181,15 @@ def check_zero1(zero1_train, nproc: int = 2) -> Verdict:
                                 limit=ZERO1_BYTES),
                        _("Gather with dist.all_gather_into_tensor: each rank sends its shard to the N-1 others, "
                          "(N-1)/N of the vector, half of what an all-reduce of the whole vector sends."))
+    if also is not None:
+        return Verdict(True, _("on {nproc} and {also} ranks the weights after {steps} steps are DDP's (on {nproc}: "
+                               "largest gap {gap:.1g} in float32, within {k} x the rounding floor {floor:.1g} measured "
+                               "in the same run); each rank keeps {state} bytes of AdamW state, {ratio:.2f} of the "
+                               "{whole} bytes a whole-model AdamW keeps (about 1/{nproc}), and sends {sent:.2f} x "
+                               "DDP's bytes per step.",
+                               nproc=nproc, also=also, steps=o["steps"], gap=gap32, k=PARITY_K, floor=floor,
+                               state=d32["state_bytes"], ratio=d32["state_bytes"] / o["whole_state_bytes"],
+                               whole=o["whole_state_bytes"], sent=sent / ddp))
     return Verdict(True, _("on {nproc} ranks the weights after {steps} steps are DDP's (largest gap {gap:.1g} in "
                            "float32, within {k} x the rounding floor {floor:.1g} measured in the same run); each rank "
                            "keeps {state} bytes of AdamW state, {ratio:.2f} of the {whole} bytes a whole-model AdamW "
