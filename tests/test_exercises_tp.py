@@ -21,6 +21,8 @@ def test_the_right_byte_count_passes_and_each_slip_gets_its_hint():
     verdict = write.check_tp_bytes(three / 3, **{**SIZE, "n_layer": 3})
     assert not verdict and "one layer" in verdict.hint, verdict
     assert not write.check_tp_bytes("a lot", **SIZE) and not write.check_tp_bytes(True, **SIZE)
+    wide = write.check_tp_bytes(4 * 2 * tp.activation_elements(8, 1024, 4096) * 2, **SIZE)  # a whole tensor each
+    assert not wide and "2 (N-1)/N" in wide.hint, wide
 
 
 def test_the_outline_is_answered_without_a_launch(monkeypatch):
@@ -45,6 +47,46 @@ MISTAKES = {  # (text in the solution, what a learner writes instead, words of t
 }
 
 
+WHOLE_LAYER = """
+def column_row_linears(x, w1, w2):
+    import torch.nn.functional as F
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.tensor_split(torch.arange(w1.shape[0]), world)[rank]
+    w1_local = w1[rows].clone().requires_grad_()
+    w2_local = w2[:, rows].clone().requires_grad_()
+    full1 = torch.cat([w1[:rows[0]], w1_local, w1[rows[-1] + 1:]])  # the whole layer, this rank's shard inside
+    full2 = torch.cat([w2[:, :rows[0]], w2_local, w2[:, rows[-1] + 1:]], 1)
+    return F.gelu(x @ full1.T) @ full2.T, w1_local, w2_local
+"""
+GATHERED_WEIGHTS = """
+def column_row_linears(x, w1, w2):
+    import torch.nn.functional as F
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w1_local = torch.tensor_split(w1, world, 0)[rank].clone().requires_grad_()
+    w2_local = torch.tensor_split(w2, world, 1)[rank].clone().requires_grad_()
+    parts1 = [torch.empty_like(w1_local) for _ in range(world)]
+    parts2 = [torch.empty_like(w2_local) for _ in range(world)]
+    dist.all_gather(parts1, w1_local.detach())
+    dist.all_gather(parts2, w2_local.detach())
+    full1 = torch.cat(parts1[:rank] + [w1_local] + parts1[rank + 1:])
+    full2 = torch.cat(parts2[:rank] + [w2_local] + parts2[rank + 1:], 1)
+    return F.gelu(x @ full1.T) @ full2.T, w1_local, w2_local
+"""
+BYPASSES = {  # the numbers come out right; what the ranks sent (or how the shards were cut) does not
+    "the whole layer on every rank": (WHOLE_LAYER, "Each rank holds and uses only its shards"),
+    "the weights gathered": (GATHERED_WEIGHTS, "never weights"),
+    "shards cut for 2 ranks": (SOLUTION.replace("tensor_split(w1, world, 0)", "tensor_split(w1, 2, 0)").replace(
+        "tensor_split(w2, world, 1)", "tensor_split(w2, 2, 1)"), "split into dist.get_world_size() pieces"),
+}
+
+
+@pytest.mark.parametrize("bypass", BYPASSES)
+def test_right_numbers_without_tensor_parallel_communication_are_refused(bypass, exercise_ranks):
+    code, hint = BYPASSES[bypass]
+    verdict = write.check_tp_linears(code, nproc=2)
+    assert not verdict and hint in verdict.hint, verdict
+
+
 def test_whole_weights_are_named_as_unsharded(exercise_ranks):
     whole = SOLUTION.replace("torch.tensor_split(w1, world, 0)[rank].clone()", "w1.clone()").replace(
         "torch.tensor_split(w2, world, 1)[rank].clone()", "w2.clone()")
@@ -55,7 +97,7 @@ def test_whole_weights_are_named_as_unsharded(exercise_ranks):
 @pytest.mark.slow
 def test_the_reference_passes():
     verdict = write.check_tp_linears(SOLUTION, nproc=2)
-    assert verdict, verdict
+    assert verdict and "on 2 and 3 ranks" in verdict.message and "176 bytes" in verdict.message, verdict
 
 
 @pytest.mark.parametrize("mistake", mistakes(MISTAKES, launched="no all-reduce in g's forward"))
