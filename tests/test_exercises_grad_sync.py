@@ -48,7 +48,8 @@ def test_the_reference_passes_on_two_and_three_ranks():
 
 def test_all_reduce_under_another_name_passes(exercise_ranks):
     """The all-reduces are counted at the process group: an alias of dist.all_reduce is the same call."""
-    alias = SOLUTION.replace("    dist.all_reduce(flat)", "    from torch.distributed import all_reduce as ar\n    ar(flat)")
+    alias = SOLUTION.replace("    dist.all_reduce(flat)",
+                             "    from torch.distributed import all_reduce as ar\n    ar(flat)")
     verdict = write.check_grad_sync(alias)
     assert verdict and "one all-reduce" in verdict.message, verdict
 
