@@ -17,6 +17,10 @@ def test_the_formula_answer_passes_and_the_classic_wrong_ones_get_their_hint():
     elements = write.check_layer_bytes(16 * s * b * h + a * s * s * b, **SHAPE)
     assert not elements and "bytes of an element" in elements.hint
     assert "softmax" in write.check_layer_bytes(4 * 16 * s * b * h, **SHAPE).hint
+    one_head = write.check_layer_bytes(4 * (16 * s * b * h + s * s * b), **SHAPE)
+    assert not one_head and "one s x s matrix per head" in one_head.hint, one_head
+    half = write.check_layer_bytes(2 * (16 * s * b * h + a * s * s * b), **SHAPE)
+    assert not half and "2 bytes an element" in half.hint, half
     assert not write.check_layer_bytes("many", **SHAPE)
 
 

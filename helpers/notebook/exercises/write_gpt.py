@@ -42,6 +42,12 @@ def check_layer_bytes(answer, *, s: int, b: int, h: int, a: int, dtype: str = "f
     if abs(answer - e * 16 * s * b * h) <= 0.01 * exact:
         return Verdict(False, wrong, _("The s x s softmax output is missing: a s^2 b elements per layer with "
                                        "'math' attention."))
+    if a > 1 and abs(answer - e * (16 * s * b * h + s * s * b)) <= 0.01 * exact:
+        return Verdict(False, wrong, _("The softmax output is one s x s matrix per head: a s^2 b elements, not "
+                                       "s^2 b."))
+    if e != 2 and abs(answer - 2 * main / e) <= 0.01 * exact:
+        return Verdict(False, wrong, _("That counts 2 bytes an element (fp16 or bf16); this run keeps its "
+                                       "activations in {dtype}: {e} bytes an element.", dtype=dtype, e=e))
     return Verdict(False, wrong, _("Count what autograd keeps per layer, in units of s b h elements: two "
                                    "LayerNorm inputs and outputs (4), q, k, v (3), the attention output (1), the "
                                    "GELU's input and output (8); plus the softmax output, a s^2 b; times {e} bytes.",
