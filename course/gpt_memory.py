@@ -66,16 +66,20 @@ def activations_after_forward(model, x, y, device) -> tuple[int, int | None]:
     return held, allocated
 
 
-def step_peak(model, optimizer, x, y, device) -> dict:
-    """MemTracker's peak of one training step (forward, backward, AdamW step), by kind."""
-    tracker = MemTracker()
+def step_peak(model, optimizer, x, y, device) -> tuple[dict, str]:
+    """MemTracker's peak of one training step (forward, backward, AdamW step), by kind, and the phase it fell in:
+    the first whose running peak (the most held so far) reached the step's."""
+    tracker, so_far = MemTracker(), {}
     tracker.track_external(model, optimizer)
     with tracker:
         _, loss = model(x, y)
+        so_far["forward"] = sum(held_by_kind(tracker.get_tracker_snapshot("peak"), device).values())
         loss.backward()
+        so_far["backward"] = sum(held_by_kind(tracker.get_tracker_snapshot("peak"), device).values())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return held_by_kind(tracker.get_tracker_snapshot("peak"), device)
+    peak = held_by_kind(tracker.get_tracker_snapshot("peak"), device)
+    return peak, next((phase for phase, b in so_far.items() if b >= sum(peak.values())), "optimizer step")
 
 
 def meta_init_matches(args, vocab_size: int, device) -> bool:
@@ -138,12 +142,12 @@ def measure(args, world_size, device):
         log0(f"checkpoint={mode}: {c['act_bytes'] / 2**20:.2f} MiB of activations, "
              f"median step {sorted(c['step_s'])[len(c['step_s']) // 2] * 1e3:.1f} ms")
 
-    peak = step_peak(models["none"], optimizers["none"], x, y, device)  # AdamW's state exists by now
+    peak, peak_phase = step_peak(models["none"], optimizers["none"], x, y, device)  # AdamW's state exists by now
     meta_ok = meta_init_matches(args, vocab, device)
-    log0(f"peak of one step: {sum(peak.values()) / 2**20:.2f} MiB; "
+    log0(f"peak of one step: {sum(peak.values()) / 2**20:.2f} MiB, in the {peak_phase}; "
          f"meta-device init equals a normal build: {meta_ok}")
     meter.report(framework="single", activations=sizes, checkpointing=checkpointing, peak_split=peak,
-                 meta_init_equal=meta_ok, vocab_size=vocab, dataset=info.name, dtype=args.dtype,
+                 peak_phase=peak_phase, meta_init_equal=meta_ok, vocab_size=vocab, dataset=info.name, dtype=args.dtype,
                  params=sum(p.numel() for p in models["none"].parameters()), gpt=models["none"].cfg.as_dict())
 
 

@@ -28,7 +28,7 @@ def _memory_run(scale=1.0, full_step=0.02):
     base = rows[0]
     ck = {mode: {"act_bytes": int(lesson.formula_bytes(base, mode)), "step_s": [t] * 5}
           for mode, t in (("none", 0.01), ("selective", 0.012), ("full", full_step))}
-    return FakeRun(dict(activations=rows, checkpointing=ck, meta_init_equal=True, params=1000,
+    return FakeRun(dict(activations=rows, checkpointing=ck, meta_init_equal=True, params=1000, peak_phase="backward",
                         peak_split=dict(param=4000, grad=0, opt=8000, act=10, temp=1, buffer=0, oth=0)))
 
 
@@ -69,6 +69,9 @@ def test_peak_claims_need_4p_parameters_and_8p_optimizer_state(capsys):
     run.result["peak_split"]["opt"] = 12000  # a master copy (K = 12) is not fp32 AdamW's
     lesson.claim_peak(run)
     assert not all(verdicts(capsys).values())
+    run.result["peak_split"]["opt"], run.result["peak_phase"] = 8000, "optimizer step"  # AdamW's state made late
+    lesson.claim_peak(run)
+    assert list(verdicts(capsys).values()).count(False) == 1
 
 
 def test_training_claim_fails_at_the_unigram_baseline(capsys):
@@ -133,3 +136,25 @@ def test_the_smoke_profile_trains_on_the_generated_text_even_with_a_corpus_on_di
     smoke, full = lesson.resolve("smoke", 2), lesson.resolve("full", 2)
     assert lesson.train_args(smoke)[-2:] == ["--dataset", "generated"]
     assert "--dataset" not in lesson.train_args(full)  # auto: data/text/input.txt when it is there
+
+
+SMALL = dict(s=32, b=2, h=64, a=4, vocab=29, n_layer=3)
+
+
+def test_fake_tensors_measure_a_layer_and_the_head_as_the_formula_counts_them(capsys):
+    """FakeTensorMode (torch._subclasses, private: this test pins it) gives MemTracker every tensor's size with no
+    storage, so the real-size row costs nothing; at a small shape its layer and head match the bf16 formula, and
+    the claim says False for the head count the formula had before (log_softmax's output in bf16, not fp32)."""
+    rows = lesson.claim_real_size(SMALL, "a small")
+    assert list(verdicts(capsys).values()) == [True]
+    math = next(r for r in rows if r["attention"] == "math")
+    assert math["layer"] == activations.layer_bytes(32, 2, 64, 4, "bf16", "math")
+    assert math["model"] == 3 * math["layer"] + math["head"]
+    real = activations.head_terms
+
+    def old_head(s, b, h, vocab, dtype="fp32"):
+        return dict(real(s, b, h, vocab, dtype), **{"logits and log_softmax": 2 * 2 * s * b * vocab})
+    import unittest.mock
+    with unittest.mock.patch.object(activations, "head_terms", old_head):
+        lesson.claim_real_size(SMALL, "a small")
+    assert list(verdicts(capsys).values()) == [False]

@@ -121,6 +121,7 @@ class TrainResult(TypedDict, total=False):
                               # wall seconds (modes interleaved, warm-up steps left out)
     peak_split: dict          # gpt_memory.py: MemTracker's peak of one training step by kind (param, grad, opt, act,
                               # temp, buffer, oth), bytes
+    peak_phase: str           # gpt_memory.py: the phase of the step that peak fell in (forward, backward, optimizer step)
     meta_init_equal: bool     # gpt_memory.py: a GPT built on the meta device + to_empty + init_weights(seed) equals
                               # lm.build_gpt's, tensor for tensor
     pp_schedule: str          # PP: the torch.distributed.pipelining schedule (gpt_pp.py --schedule; "none": one process)

@@ -24,6 +24,7 @@ TRAIN_MARGIN = 0.8  # the held-out loss must end below this fraction of the unig
 SIZES = {"smoke": ("64x8x64", "128x8x64", "64x16x64", "64x8x128"),
          "full": ("256x8x256", "512x8x256", "256x16x256", "256x8x512")}
 MIB = 2 ** 20
+GIB = 2 ** 30
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,8 @@ def claim_peak(run) -> dict:
     claim("parameters at the peak are exactly 4 bytes x parameter count", peak["param"] == states["params"],
           measured=f"{peak['param']} B")
     after_forward = r["checkpointing"]["none"]["act_bytes"]
+    claim("the peak falls in the backward: every activation is still held when it starts, and its first gradients and "
+          "temporaries join them", r["peak_phase"] == "backward", measured=r["peak_phase"])
     claim("activations at the step's peak are fewer than right after the forward (backward frees as it goes)",
           peak["act"] < after_forward, measured=f"{peak['act'] / MIB:.2f} < {after_forward / MIB:.2f} MiB")
     opt = peak["opt"] / states["optimizer"]
@@ -218,3 +221,71 @@ def claim_calculator(figures, run) -> None:
     ratio = base["act_bytes"] / predicted
     claim(f"the calculator's activations match the measured run within 1 +- {FORMULA_TOLERANCE}",
           abs(ratio - 1) <= FORMULA_TOLERANCE, measured=f"{ratio:.3f}")
+
+
+# ------------------------------------------------------------------------------------- 7. a real size, in bf16
+
+GPT3 = dict(s=2048, b=1, h=12288, a=96, vocab=50257, n_layer=96)  # GPT-3 175B (Brown et al. 2020, Table 2.1)
+
+
+def fake_activations(s: int, b: int, h: int, a: int, vocab: int, n_layer: int, attention: str = "math",
+                     dtype=None) -> int:
+    """MemTracker's activation bytes right after the forward of the course GPT at this shape, built and run under
+    ``FakeTensorMode``: every tensor has its shape, dtype and size, and none has storage, so a shape that would
+    need gigabytes is measured in a fraction of a second. ``dtype``: the parameters' (default torch.bfloat16)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from ...rank.gpt import GPT, GPTConfig
+
+    dtype = dtype or torch.bfloat16
+    shape = GPTConfig(vocab_size=vocab, seq_len=s, n_layer=n_layer, n_head=a, d_model=h, attention=attention)
+    before = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)  # parameters made in bf16 (a fake tensor cannot be cast in place)
+        try:
+            model = GPT(shape)
+        finally:
+            torch.set_default_dtype(before)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            x, y = (torch.randint(0, vocab, (b, s)) for _ in range(2))  # the batch's ids, as the formula counts them
+            logits, loss = model(x, y)  # held, as a training step holds them until its backward
+            snapshot = tracker.get_tracker_snapshot("current")
+    return next(iter(snapshot.values()))[_MemRefType.ACT]
+
+
+def real_size_rows(shape: dict = GPT3) -> list[dict]:
+    """Per attention, one layer's activation bytes at ``shape`` in bf16, measured (a model of 2 layers less one of
+    1, under :func:`fake_activations`) and by the formula, and what the whole model holds per micro-batch."""
+    rows = []
+    for attention in activations.ATTENTIONS:
+        dims = dict(shape, attention=attention)
+        one, two = fake_activations(**dict(dims, n_layer=1)), fake_activations(**dict(dims, n_layer=2))
+        layer = two - one
+        formula = activations.layer_bytes(shape["s"], shape["b"], shape["h"], shape["a"], "bf16", attention)
+        head = one - layer
+        head_formula = sum(activations.head_terms(shape["s"], shape["b"], shape["h"], shape["vocab"], "bf16").values())
+        rows.append(dict(attention=attention, layer=layer, formula=formula, head=head, head_formula=head_formula,
+                         model=shape["n_layer"] * layer + head))
+    return rows
+
+
+def claim_real_size(shape: dict = GPT3, name: str = "GPT-3 175B") -> list[dict]:
+    """The table of :func:`real_size_rows` and the claim that the measured layer and head equal the formula's."""
+    rows = real_size_rows(shape)
+    print(f"{'attention':>9} {'layer GiB':>10} {'formula':>8} {'head GiB':>9} {'formula':>8} "
+          f"{'x ' + str(shape['n_layer']) + ' layers + head':>22}")
+    for r in rows:
+        print(f"{r['attention']:>9} {r['layer'] / GIB:10.3f} {r['formula'] / GIB:8.3f} {r['head'] / GIB:9.3f} "
+              f"{r['head_formula'] / GIB:8.3f} {r['model'] / GIB:18.1f} GiB")
+    print(f"the course GPT at {name}'s shape (s={shape['s']}, b={shape['b']}, h={shape['h']}, a={shape['a']}, "
+          f"V={shape['vocab']}), bf16, on fake tensors: nothing allocated")
+    ok = all(abs(r["layer"] - r["formula"]) <= 0.01 * r["formula"]
+             and abs(r["head"] - r["head_formula"]) <= 0.01 * r["head_formula"] for r in rows)
+    claim(f"at {name}'s real shape in bf16, one layer and the head hold the formula's bytes within 1%, with both "
+          "attentions", ok, measured=", ".join(f"{r['attention']} {r['layer'] / r['formula']:.3f} and "
+                                              f"{r['head'] / r['head_formula']:.3f}" for r in rows))
+    return rows
