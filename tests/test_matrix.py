@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbformat import v4
 
-from helpers.notebook import checks, matrix, runner
+from helpers.notebook import checks, matrix, runner, syllabus
 from helpers.notebook.runner import Chapter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,8 @@ def fixture_course(tmp_path, monkeypatch):
     nbformat.write(_notebook([_stream("[check] fixed ranks: True\n")], nproc_parameter=False),
                    notebooks / "98_fixed.ipynb")
     chapters = [Chapter("97", "97_ranks.ipynb", "ranks", 60, {}), Chapter("98", "98_fixed.ipynb", "fixed", 60, {})]
-    monkeypatch.setattr(runner, "NOTEBOOKS", notebooks)
+    monkeypatch.setattr(runner, "NOTEBOOKS", notebooks)  # where the runner executes them
+    monkeypatch.setattr(syllabus, "NOTEBOOKS", notebooks)  # where Chapter.path finds them
     monkeypatch.setattr(runner, "syllabus", lambda path=None: ({"kernel": "dtfz"}, chapters))
     monkeypatch.setattr(runner, "environment_record", lambda profile: {"profile": profile})
     calls = []

@@ -23,36 +23,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from . import i18n
+# a sentence's numbers as fields (its catalogue msgid) and back live in i18n (which the exercises use too)
+from .i18n import FIELD, NUMBER, fill_numbers as fill, number_template as template  # noqa: F401
+
 PREFIX = "[check] "
 LINE = re.compile(r"^\[check\] (?P<claim>.*): (?P<verdict>True|False)(?:\s+\(measured: (?P<measured>.*)\))?\s*$")
 ZH_LINE = re.compile(r"^\[检查\] (?P<claim>.*)：(?P<verdict>True|False)(?:（实测：(?P<measured>.*)）)?\s*$")
-# a number standing alone (not part of a name such as fp32, ZeRO-3 or 1F1B); "0.9x" and "5%" keep their unit outside
-NUMBER = re.compile(r"(?<![\w.\-])\d+(?:\.\d+)?(?:e-?\d+)?(?=x\b|%|[^\w.]|\.(?!\d)|$)")
-FIELD = re.compile(r"\{(\d+)\}")
-
-
-def template(text: str) -> tuple[str, list[str]]:
-    """A claim's sentence as its catalogue msgid, each number a numbered field, and the numbers:
-    ``template("4 ranks at 0.9x")`` is ``("{0} ranks at {1}x", ["4", "0.9"])``."""
-    numbers: list[str] = []
-
-    def field(m):
-        numbers.append(m.group())
-        return "{" + str(len(numbers) - 1) + "}"
-
-    return NUMBER.sub(field, text), numbers
-
-
-def fill(translated: str, numbers: list[str]) -> str:
-    """A translated template with its numbers put back (a field the translation lacks is an error, by test)."""
-    return FIELD.sub(lambda m: numbers[int(m.group(1))], translated)
-
-
 def line(text: str, verdict: bool, measured: str | None = None, lang: str | None = None) -> str:
     """The check line for ``text`` in ``lang`` (default: the notebook's language,
     :func:`helpers.notebook.i18n.language`); English where the Chinese catalogue has no translation of the sentence."""
-    from . import i18n
-
     lang = i18n.normalise(lang) if lang else i18n.language()
     if lang != i18n.ENGLISH:
         msgid, numbers = template(text)

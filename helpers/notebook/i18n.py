@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import string
 import unicodedata
 from dataclasses import dataclass
@@ -33,10 +34,32 @@ LANGUAGES = (ENGLISH, CHINESE)
 MIME = "application/vnd.dtfz.message+json"  # msgid and fields of a message output, for the Chinese build
 TRANSLATIONS = Path(__file__).resolve().parents[2] / "translations"
 EXERCISES_DOMAIN = "exercises"
-CHECKS_DOMAIN = "checks"  # the check lines' sentences (helpers.notebook.checks.template)
+CHECKS_DOMAIN = "checks"  # the check lines' sentences (number_template)
 MESSAGES_DOMAIN = "messages"  # lines printed by cells tagged zh-messages (helpers.notebook.translate)
 
 _ALIASES = {"en": ENGLISH, "en_us": ENGLISH, "en_gb": ENGLISH, "zh": CHINESE, "zh_cn": CHINESE, "zh_hans": CHINESE}
+
+
+# a number standing alone (not part of a name such as fp32, ZeRO-3 or 1F1B); "0.9x" and "5%" keep their unit outside
+NUMBER = re.compile(r"(?<![\w.\-])\d+(?:\.\d+)?(?:e-?\d+)?(?=x\b|%|[^\w.]|\.(?!\d)|$)")
+FIELD = re.compile(r"\{(\d+)\}")
+
+
+def number_template(text: str) -> tuple[str, list[str]]:
+    """A claim's sentence as its catalogue msgid, each number a numbered field, and the numbers:
+    ``number_template("4 ranks at 0.9x")`` is ``("{0} ranks at {1}x", ["4", "0.9"])``."""
+    numbers: list[str] = []
+
+    def field(m):
+        numbers.append(m.group())
+        return "{" + str(len(numbers) - 1) + "}"
+
+    return NUMBER.sub(field, text), numbers
+
+
+def fill_numbers(translated: str, numbers: list[str]) -> str:
+    """A translated template with its numbers put back (a field the translation lacks is an error, by test)."""
+    return FIELD.sub(lambda m: numbers[int(m.group(1))], translated)
 
 
 def normalise(language: str) -> str:
@@ -275,12 +298,10 @@ def message(row: str, lang: str | None = None) -> str:
 
 
 def localize_row(row: str, table: dict[str, str]) -> str:
-    """``row`` through ``table`` (its template -> the translated template, :func:`helpers.notebook.checks.template`),
+    """``row`` through ``table`` (its template -> the translated template, :func:`number_template`),
     its numbers put back; as it is where the table lacks it."""
-    from . import checks
-
-    msgid, numbers = checks.template(row)
-    return checks.fill(table[msgid], numbers) if msgid in table else row
+    msgid, numbers = number_template(row)
+    return fill_numbers(table[msgid], numbers) if msgid in table else row
 
 
 def say(*values, sep: str = " ") -> None:

@@ -317,7 +317,7 @@ def update_checks(english_dir: Path | None = None):
     """checks.po merged with the check lines of every chapter's English notebook (``english_dir``'s copy where it
     has one, e.g. a course build's executed notebooks), written back to disk; messages.po likewise with the lines
     of the ``zh-messages`` cells. Returns both catalogues."""
-    from .runner import syllabus
+    from .syllabus import syllabus
 
     _, chapters = syllabus()
     notebooks = {}
