@@ -7,6 +7,7 @@ import pytest
 from helpers.calc import pipeline
 from helpers.notebook import checks
 from helpers.notebook.lessons import pipeline as lesson
+from helpers.notebook.lessons import layout  # section 8, which lesson re-exports
 
 
 def verdicts(capsys) -> dict[str, bool]:
@@ -213,10 +214,10 @@ def test_the_guide_and_the_axis_costs_print_and_claim_true(capsys, monkeypatch):
     assert out.count("proposed:") == len(lesson.SCENARIOS)
     found = dict(checks.parse(out))
     assert len(found) == 4 and all(found.values()), found
-    monkeypatch.setattr(lesson, "bandwidth_here", lambda: (0.5, "a test"))
+    monkeypatch.setattr(layout, "bandwidth_here", lambda: (0.5, "a test"))
     lesson.show_here()
     assert "at 0.50 GB/s (a test): TP " in capsys.readouterr().out
-    monkeypatch.setattr(lesson, "bandwidth_here", lambda: None)
+    monkeypatch.setattr(layout, "bandwidth_here", lambda: None)
     with pytest.raises(RuntimeError, match="run notebook 00"):
         lesson.show_here()
 
