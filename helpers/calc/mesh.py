@@ -142,3 +142,7 @@ RULES: dict[str, Callable[[str, str, int, Mapping[str, str] | None], str | None]
 from .pipeline import RULES as _PIPELINE_RULES  # noqa: E402  (stages, micro-batches: helpers/calc/pipeline.py)
 
 RULES.update(_PIPELINE_RULES)
+
+from .cp import RULES as _CP_RULES  # noqa: E402  (context parallelism: helpers/calc/cp.py)
+
+RULES.update(_CP_RULES)
