@@ -142,6 +142,19 @@ class TrainResult(TypedDict, total=False):
     grad_mib: float           # overlap.py: the model's gradients in all, MiB
     ddp_buckets: list         # overlap.py: the sizes of DDP's gradient buckets after its first step, bytes, in the
                               # order they are all-reduced (_get_ddp_logging_data()["rebuilt_bucket_sizes"])
+    cp_degree: int            # CP: ranks each sequence is split over (course/gpt_cp.py --cp; dp_degree: the rest)
+    cp_rank: int              # CP: this rank's place on the mesh's "cp" dimension (which positions it holds)
+    cp_attention: str         # CP: how attention sees the whole sequence: "ring" or "ulysses" (--attn)
+    cp_layout: str            # CP: which positions a rank holds: "zigzag" (chunks r, 2cp-1-r) or "contiguous"
+    cp_positions: list        # CP: the positions of every sequence this rank holds (ints, ascending)
+    cp_per_step: dict         # CP: this rank's attention per training step, {"forward"|"backward": {sent_bytes,
+                              # recv_bytes, blocks_computed, blocks_skipped, work_pairs (query-key pairs computed, x batch
+                              # x heads), compute_s (seconds)}} (helpers.rank.cp.STATS)
+    cp_formula: dict          # CP: helpers.calc.cp for this rank per step: {"forward"|"backward": bytes sent,
+                              # "work_pairs": forward pairs x batch x heads}
+    cp_parity: dict           # CP: one step's loss and gradients (after the sync) against one process on the unsplit
+                              # batch: {loss_gap, grad_gap, loss_floor, grad_floor (fp32 vs fp64 of that process),
+                              # loss_bound, grad_bound, ok}; gaps and floors in the loss's units (nats) and the gradients'
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
