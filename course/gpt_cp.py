@@ -1,4 +1,4 @@
-"""Train the course's small GPT with context parallelism: every sequence split along its positions, one process per rank.
+"""Train the course's small GPT with context parallelism: each sequence split along its positions, a process per rank.
 
 Run it from any directory, in a terminal (after `pip install -e .`, which `make setup` does):
 

@@ -72,7 +72,7 @@ def test_merging_blocks_by_log_sum_exp_equals_one_softmax_over_all_keys():
     pos = torch.arange(8)
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
     for cols in (slice(0, 3), slice(3, 8)):
-        rows, bo, bl = cp.block_attention(q, k[..., cols, :], v[..., cols, :], pos, pos[cols], causal=False)
+        rows, bo, bl, _ = cp.block_attention(q, k[..., cols, :], v[..., cols, :], pos, pos[cols], causal=False)
         out, lse = cp.merge_blocks(out, lse, bo, bl)
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-12)
     assert torch.allclose(lse, torch.logsumexp(q @ k.transpose(-2, -1) / 2, -1), atol=1e-12)

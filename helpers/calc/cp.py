@@ -161,7 +161,7 @@ def sequence_splits_over_cp(flag: str, value: str, world_size: int,
         >>> sequence_splits_over_cp("--seq-len", "48", 4, {"--layout": "zigzag"}) is None
         True
         >>> sequence_splits_over_cp("--seq-len", "60", 4, {"--layout": "zigzag"})
-        '--seq-len 60 does not split into 2 x --cp 4 = 8 zigzag chunks (...); use --seq-len 56, 64, ... or --layout contiguous'
+        '--seq-len 60 does not split into 2 x --cp 4 = 8 zigzag chunks (...); use --seq-len 56, 64, ... or --layout ...'
     """
     length = _whole(flag, value)
     cp = cp_degree(flags, world_size)
@@ -183,7 +183,7 @@ def heads_split_over_cp(flag: str, value: str, world_size: int, flags: Mapping[s
     so the heads (``value``) must divide by the CP degree (and CP be at most the heads); other attentions: no rule.
 
         >>> heads_split_over_cp("--n-head", "2", 4, {"--attn": "ulysses"})
-        '--n-head 2 heads do not split over --cp 4 ranks under --attn ulysses (...); use --n-head 4, 8, ... or --attn ring'
+        '--n-head 2 heads do not split over --cp 4 ranks under --attn ulysses (...); use --n-head 4, 8, ... or ...'
     """
     heads = _whole(flag, value)
     cp = cp_degree(flags, world_size)

@@ -63,8 +63,7 @@ def contiguous_indices(seq_len: int, world: int, rank: int) -> torch.Tensor:
     """Positions ``[rank s/W, (rank+1) s/W)``."""
     if seq_len % world:
         raise ValueError(f"the contiguous layout needs seq_len divisible by CP = {world}, got {seq_len}")
-    n = seq_len // world
-    return torch.arange(rank * n, (rank + 1) * n)
+    return torch.arange(rank * seq_len // world, (rank + 1) * seq_len // world)
 
 
 def layout_indices(layout: str, seq_len: int, world: int, rank: int) -> torch.Tensor:
@@ -103,7 +102,7 @@ class CPStats:
     def __init__(self):
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # the script resets after its parity probe: the training steps only
         self.counts = {phase: dict.fromkeys(self.FIELDS, 0) for phase in PHASES}
 
     def add(self, phase: str, **amounts) -> None:
@@ -141,15 +140,16 @@ def _scores(q, k, q_pos, k_pos, masked: bool, scale: float):
 
 
 def block_attention(q, k, v, q_pos, k_pos, causal: bool = True):
-    """Attention of queries ``q`` over ONE block of keys/values: ``(rows, out, lse)`` for the visible rows (out:
-    softmax over this block only, lse: log-sum-exp of the scores, (..., rows)), or None when the mask hides the block."""
+    """Attention of queries ``q`` over ONE block of keys/values: ``(rows, out, lse, pairs)`` for the visible rows (out:
+    the softmax over this block only, lse: log-sum-exp of its scores, pairs: query-key pairs computed per batch x
+    head), or None when the mask hides the whole block."""
     seen = visible_block(q_pos, k_pos, causal)
     if seen is None:
         return None
     rows, cols, masked = seen
     s = _scores(q[..., rows, :], k[..., cols, :], q_pos[rows], k_pos[cols], masked, 1.0 / math.sqrt(q.size(-1)))
     lse = torch.logsumexp(s, dim=-1)
-    return rows, torch.exp(s - lse.unsqueeze(-1)) @ v[..., cols, :], lse
+    return rows, torch.exp(s - lse.unsqueeze(-1)) @ v[..., cols, :], lse, s.size(-2) * s.size(-1)
 
 
 def merge_blocks(out, lse, block_out, block_lse):
@@ -182,17 +182,12 @@ def simulate_ring(q, k, v, world: int, layout: str = "zigzag", causal: bool = Tr
             block = block_attention(qr, k.index_select(-2, pos[src]), v.index_select(-2, pos[src]), pos[r], pos[src],
                                     causal)
             if block is not None:
-                rows, bo, bl = block
+                rows, bo, bl, n = block
                 out[..., rows, :], lse[..., rows] = merge_blocks(out[..., rows, :], lse[..., rows], bo, bl)
-                pairs += (rows.stop - rows.start) * _cols(pos[r], pos[src], causal)
+                pairs += n
         out_parts.append(out)
         work.append(pairs)
     return unshard_sequence(out_parts, layout, dim=-2), work
-
-
-def _cols(q_pos, k_pos, causal) -> int:
-    rows, cols, _ = visible_block(q_pos, k_pos, causal)
-    return cols.stop - cols.start
 
 
 # ---------------------------------------------------------------------------------------------- the ring
@@ -235,10 +230,9 @@ class _RingAttention(torch.autograd.Function):
             if block is None:
                 STATS.add("forward", blocks_skipped=1)
             else:
-                rows, bo, bl = block
+                rows, bo, bl, n = block
                 out[..., rows, :], lse[..., rows] = merge_blocks(out[..., rows, :], lse[..., rows], bo, bl)
-                STATS.add("forward", blocks_computed=1, work_pairs=bo.shape[:-1].numel() * _cols(pos[me], pos[src],
-                                                                                                    causal))
+                STATS.add("forward", blocks_computed=1, work_pairs=n * bo.shape[:-2].numel())
             STATS.add("forward", compute_s=time.perf_counter() - t0)
             if pending:
                 kv, works = pending
@@ -372,10 +366,9 @@ def flat_grads(model) -> torch.Tensor:
 
 def torch_context_parallel(cp_mesh, device) -> None:
     """``--attn torch``: try torch's own ``context_parallel`` (torch.distributed.tensor.experimental) on one causal
-    SDPA call over ``cp_mesh``. It shards SDPA through sharding strategies registered for the CUDA kernels (flash,
-    memory-efficient, cuDNN) only; on CPU causal SDPA dispatches to ``_scaled_dot_product_flash_attention_for_cpu``,
-    which has none, so it fails with NotImplementedError deep in DTensor's dispatch: refuse with the reason instead.
-    Where it works (CUDA), this script still trains with --attn ring or ulysses: say so rather than pretend."""
+    SDPA call. It has sharding strategies for SDPA's CUDA kernels only; on CPU the call reaches
+    ``_scaled_dot_product_flash_attention_for_cpu`` and fails deep in DTensor's dispatch: refuse with that reason.
+    Where it works (CUDA) this script does not train through it yet: say so rather than pretend."""
     from torch.distributed.tensor.experimental import context_parallel
 
     q = torch.randn(1, 1, 2 * cp_mesh.size(), 8, device=device)

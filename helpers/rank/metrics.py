@@ -148,13 +148,13 @@ class TrainResult(TypedDict, total=False):
     cp_layout: str            # CP: which positions a rank holds: "zigzag" (chunks r, 2cp-1-r) or "contiguous"
     cp_positions: list        # CP: the positions of every sequence this rank holds (ints, ascending)
     cp_per_step: dict         # CP: this rank's attention per training step, {"forward"|"backward": {sent_bytes,
-                              # recv_bytes, blocks_computed, blocks_skipped, work_pairs (query-key pairs computed, x batch
-                              # x heads), compute_s (seconds)}} (helpers.rank.cp.STATS)
+                              # recv_bytes, blocks_computed, blocks_skipped, work_pairs (query-key pairs computed, x
+                              # batch x heads), compute_s (seconds)}} (helpers.rank.cp.STATS)
     cp_formula: dict          # CP: helpers.calc.cp for this rank per step: {"forward"|"backward": bytes sent,
                               # "work_pairs": forward pairs x batch x heads}
     cp_parity: dict           # CP: one step's loss and gradients (after the sync) against one process on the unsplit
                               # batch: {loss_gap, grad_gap, loss_floor, grad_floor (fp32 vs fp64 of that process),
-                              # loss_bound, grad_bound, ok}; gaps and floors in the loss's units (nats) and the gradients'
+                              # loss_bound, grad_bound, ok}; in the loss's units (nats) and the gradients'
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
