@@ -81,9 +81,10 @@ def notebook_sources(nb, file: str, title: str) -> list[Source]:
     return out
 
 
-MARKED = (Path(__file__).resolve().parent / "widgets.py", Path(__file__).resolve().parent / "step_calculator.py",
-          Path(__file__).resolve().parent / "env.py")  # beside the exercise checkers: modules whose _() messages
-# (widget labels, the calculators' tables, notebook 00's verdict) go into the same catalogue
+MARKED = tuple(Path(__file__).resolve().parent / name for name in (
+    "widgets.py", "step_calculator.py", "env.py", "lessons/step.py", "lessons/comm_model.py"))
+# beside the exercise checkers: modules whose _() messages (widget labels, the calculators' and lessons' tables,
+# notebook 00's verdict) go into the same catalogue
 
 
 def exercise_sources(folder: Path = EXERCISES, also: tuple[Path, ...] = MARKED) -> list[Source]:

@@ -36,7 +36,8 @@ from ...calc import comm
 from ...calc import traces as calc
 from .. import traces
 from ..checks import claim
-from .step import LAYERS, rows
+from ..i18n import AUTO, Cell, Lines, _
+from .step import LAYERS, rows, show
 
 LABEL = "sweep "
 ONE_WAY = LABEL + "send "  # the sweep's one-way messages (course/collective_sweep.py's "send")
@@ -102,14 +103,18 @@ def show_fits(sweep, block: int | None = None) -> dict[str, dict]:
     count they were fitted at: timings, not compared."""
     model = fits(sweep, block)
     world = sweep.result["world_size"]
-    print(f"{'collective':<15} {'alpha (us)':>10} {'algbw (GB/s)':>13} {'worst residual':>15}")
+    rows = [[Cell(_("collective"), AUTO), Cell(_("alpha (us)"), 12, ">"), Cell(_("algbw (GB/s)"), 14, ">"),
+             Cell(_("worst residual"), 16, ">")]]
     for op, f in model.items():
         worst = max(f["residuals"], key=abs)
-        print(f"{op:<15} {f['alpha'] * 1e6:>10.0f} {f['bandwidth']:>13.2f} {worst:>+15.0%}")
-    print(f"time = alpha + S / algbw, fitted at {world} ranks (least squares on relative error); residual = measured / "
-          "fitted - 1.\nS: the whole tensor; for all_gather, one rank's shard (it returns "
-          f"{world} x S); for send and send_recv, the message.\nalgbw is S / time, not notebook 00's bus bandwidth "
-          "(an all-reduce's busbw = algbw x 2(N-1)/N)")
+        rows.append([Cell(op, AUTO), Cell(f"{f['alpha'] * 1e6:.0f}", 12, ">"), Cell(f"{f['bandwidth']:.2f}", 14, ">"),
+                     Cell(f"{worst:+.0%}", 16, ">")])
+    notes = (_("time = alpha + S / algbw, fitted at {world} ranks (least squares on relative error); residual = "
+               "measured / fitted - 1.", world=world),
+             _("S: the whole tensor; for all_gather, one rank's shard (it returns {world} x S); for send and "
+               "send_recv, the message.", world=world),
+             _("algbw is S / time, not notebook 00's bus bandwidth (an all-reduce's busbw = algbw x 2(N-1)/N)"))
+    show(Lines(rows + [[Cell(n)] for n in notes]))
     return model
 
 
@@ -233,16 +238,21 @@ def residuals(model: dict, runs: dict, block: int | None = None) -> list[dict]:
 def show_residuals(model: dict, runs: dict, block: int | None = None) -> list[dict]:
     """The residual table (``block``: the trace read in blocks of as many steps as the sweep's): timings."""
     table = residuals(model, runs, block)
-    print(f"{'configuration':<15} {'calls':>5} {'idle ms':>8} {'back to back':>13} {'after idle':>11} "
-          f"{'traced ms':>10} {'traced/model':>13} {'hidden':>7}")
+    heads = (_("calls"), _("idle ms"), _("back to back"), _("after idle"), _("traced ms"), _("traced/model"),
+             _("hidden"))
+    widths = (7, 9, 14, 12, 11, 14, 8)
+    rows = [[Cell(_("configuration"), AUTO)] + [Cell(h, w, ">") for h, w in zip(heads, widths)]]
     for t in table:
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
         hidden = "-" if t["hidden"] is None else f"{t['hidden']:.0%}"
-        print(f"{t['config']:<15} {t['calls']:>5} {t['idle']:>8.1f} {t['warm'] * 1e3:>13.1f} "
-              f"{t['predicted'] * 1e3:>11.1f} {t['measured'] * 1e3:>10.1f} {ratio:>13} {hidden:>7}")
-    print("ms per step and rank; idle: median time a collective followed the rank's previous one; model: the sweep "
-          "after as long idle; traced: each collective at its fastest in a block of profiled steps (all ranks), "
-          "averaged over the blocks, as the sweep reads each size")
+        values = (str(t["calls"]), f"{t['idle']:.1f}", f"{t['warm'] * 1e3:.1f}", f"{t['predicted'] * 1e3:.1f}",
+                  f"{t['measured'] * 1e3:.1f}", ratio, hidden)
+        rows.append([Cell(t["config"], AUTO)] + [Cell(v, w, ">") for v, w in zip(values, widths)])
+    notes = (_("ms per step and rank; idle: median time a collective followed the rank's previous one; model: the "
+               "sweep after as long idle;"),
+             _("traced: each collective at its fastest in a block of profiled steps (all ranks), averaged over the "
+               "blocks, as the sweep reads each size"))
+    show(Lines(rows + [[Cell(n)] for n in notes]))
     return table
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ...calc import traces as calc
 from .. import traces
 from ..checks import claim
+from ..i18n import AUTO, Cell, Lines, _
 from ..scripts import COURSE
 
 SCRIPT = "course/overlap.py"
@@ -154,24 +155,45 @@ def summary(runs: dict) -> dict[str, dict]:
     return out
 
 
-def show_table(runs: dict) -> dict:
-    """The table of :func:`summary`, milliseconds (and percent for the hidden share): timings, not compared."""
-    s = summary(runs)
+def show(lines: Lines) -> None:
+    """Show a table in the notebook as a :class:`~helpers.notebook.i18n.Lines` output (the Chinese edition renders
+    its words in Chinese), or print it outside one."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # pragma: no cover - IPython comes with the course
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(lines)
+    else:
+        print(lines.render())
+
+
+def table_lines(s: dict) -> Lines:
+    """The table of :func:`summary` as :class:`~helpers.notebook.i18n.Lines`: milliseconds, percent for hidden."""
     keys = ("span", "compute", "comm", "exposed", "peer", "other")
-    heads = ("step ms", "compute ms", "comm ms", "exposed ms", "late peer", "other ms")
-    print(f"{'mode':<15} {'buckets':>7} " + " ".join(f"{h:>13}" for h in heads) + f" {'hidden %':>11}")
+    heads = (_("step ms"), _("compute ms"), _("comm ms"), _("exposed ms"), _("late peer"), _("other ms"))
 
-    def cell(v, scale=1e3, fmt="{:.0f}"):
+    def cell(v, scale=1e3):
         med, lo, hi = v
-        return "-" if med is None else f"{fmt.format(med * scale)} ({fmt.format(lo * scale)}-{fmt.format(hi * scale)})"
+        return "-" if med is None else f"{med * scale:.0f} ({lo * scale:.0f}-{hi * scale:.0f})"
 
-    for mode, q in s.items():
-        print(f"{mode:<15} {q['buckets']:>7} " + " ".join(f"{cell(q[k]):>13}" for k in keys)
-              + f" {cell(q['hidden'], 100):>11}")
-    print("each column: its median over ranks and profiled steps (min-max). In every step, step = compute + exposed "
-          "+ other:\nexposed is communication no compute covered, late peer the part of it spent waiting for a rank "
-          "that started the\ncollective later, other is neither compute nor communication; hidden: % of the "
-          "communication that compute covered")
+    rows = [[Cell(_("mode"), AUTO), Cell(_("buckets"), 9, ">")] + [Cell(h, 15, ">") for h in heads]
+            + [Cell(_("hidden %"), 13, ">")]]
+    rows += [[Cell(mode, AUTO), Cell(str(q["buckets"]), 9, ">")] + [Cell(cell(q[k]), 15, ">") for k in keys]
+             + [Cell(cell(q["hidden"], 100), 13, ">")] for mode, q in s.items()]
+    notes = (_("each column: its median over ranks and profiled steps (min-max); in every step, step = compute + "
+               "exposed + other"),
+             _("exposed: communication no compute covered; late peer: the part of it spent waiting for a rank that "
+               "started the collective later"),
+             _("other: neither compute nor communication; hidden: % of the communication that compute covered"))
+    return Lines(rows + [[Cell(n)] for n in notes])
+
+
+def show_table(runs: dict) -> dict:
+    """The table of :func:`summary` (:func:`table_lines`), shown: timings, not compared."""
+    s = summary(runs)
+    show(table_lines(s))
     return s
 
 
