@@ -36,6 +36,7 @@ FORBIDDEN = {
     "micro-batch": (r"微步|(?<!微批次（)micro[- ]batch", "微批次（micro-batch） at its first use, then 微批次"),
     "learner": (r"学员", "学习者"),
     "TP degree": (r"TP 度", "TP 并行度"),
+    "exercise checker": (r"检查器", "判题程序 (检查 is the check lines' word)"),
 }
 # The English article carried over: a Chinese author writes 一个 far less often than an English one writes "a".
 MAX_YIGE_PER_CJK = 1 / 300
@@ -92,7 +93,7 @@ def repeated_glosses(chapters: list[str]) -> dict[str, int]:
 
 def test_each_rule_finds_the_word_it_forbids():
     bad = "进程挂起了；两块 GPU、每个卡上；见 §3；批大小 64；常见陷阱；集合操作；汇集检查点；损失下降；" \
-          "主副本（master copy）（K = 12）；噪声的底噪；两个微步；每个 micro-batch；学员；TP 度 2"
+          "主副本（master copy）（K = 12）；噪声的底噪；两个微步；每个 micro-batch；学员；TP 度 2；检查器"
     assert set(violations(bad)) == set(FORBIDDEN)
     assert violations("进程卡住了；两张 GPU、每张卡；这个 GPU 上；见第 3 节；每卡 batch size 64；避坑；合并检查点") == {}
 
