@@ -403,3 +403,17 @@ def test_free_port_skips_ports_in_use():
     finally:
         for s in blockers:
             s.close()
+
+
+def test_a_rank_s_stack_is_its_own_dump_even_when_another_rank_s_first_line_is_glued_to_its_end():
+    """Seen in CI (notebook 06's hang): both ranks dump at once and the tee glued rank 0's "Fatal Python error"
+    onto rank 1's last line; taking the last match started rank 1's stack there, and lost its frames."""
+    from helpers.launch.session import stack_in_tail
+
+    tail = ("rank 1: waiting at the barrier\nFatal Python error: Aborted\n\nCurrent thread 0x7f (most recent call "
+            "first):\n  File \"torch/distributed/distributed_c10d.py\", line 6371 in barrier\n  File \"x.py\", line 47 "
+            "in main\n\nExtension modules: torch._C[rank0]:Fatal Python error: Aborted\n (total: 21)")
+    stack = stack_in_tail(tail)
+    assert stack.startswith("Fatal Python error: Aborted\n\nCurrent thread") and "in barrier" in stack
+    assert stack_in_tail("Current thread 0x1:\n  File \"a.py\", line 1 in f").startswith("Current thread")
+    assert stack_in_tail("no dump here") is None

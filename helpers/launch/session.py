@@ -44,6 +44,19 @@ _UNDER_ROOT = re.compile(r"(?<![\w./-])" + re.escape(f"{PROJECT_ROOT}{os.sep}"))
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
+def stack_in_tail(text: str) -> str | None:
+    """The faulthandler dump at the end of a rank's output: from its "Fatal Python error: Aborted" (or, without one,
+    its "Current thread") on; None if there is none. Anchored on the last "Current thread", which only a rank's own
+    dump writes: ranks dump at once, and the launcher's tee can glue another rank's first line ("[rank0]:Fatal
+    Python error: Aborted") onto the end of this rank's last one, where a plain last match would start the stack."""
+    thread = text.rfind("Current thread")
+    if thread < 0:
+        start = text.rfind("Fatal Python error: Aborted")
+        return text[start:] if start >= 0 else None
+    fatal = text.rfind("Fatal Python error: Aborted", 0, thread)
+    return text[fatal if fatal >= 0 else thread:]
+
+
 class _FileTail:
     """Follows a file another process appends to: each call returns what grew since the last one."""
 
@@ -257,10 +270,9 @@ class _Session:
             self._tail_rank_files()
         stacks = {}
         for rank, tail in self.tails.items():
-            text = "\n".join(tail)
-            start = max(text.rfind("Fatal Python error: Aborted"), text.rfind("Current thread"))
-            if start >= 0:
-                stacks[rank] = text[start:]
+            stack = stack_in_tail("\n".join(tail))
+            if stack is not None:
+                stacks[rank] = stack
         return stacks
 
     def follow(self, script: Path, timeout, stall_timeout) -> None:
