@@ -1,11 +1,7 @@
 """Notebook 07 (FSDP2): the settings, tables, plots and claim lines the notebook's cells call.
 
-Float addition is not associative, so DDP, DeepSpeed ZeRO-3 and FSDP2 on N ranks, summing the same global batches
-in another order than one process, drift from the one-process fp32 curve, though in exact arithmetic they compute
-the same losses. The notebook runs the one-process reference, the FSDP2 run and the resumed run in fp32 and in
-fp64; the largest distance of an fp32 run from its fp64 twin is the noise floor of fp32 rounding for this
-computation, the fp64 runs must agree within :func:`helpers.calc.parity.fp64_bound`, and every fp32 curve within
-:data:`helpers.calc.parity.K` floors of the one-process fp32 curve (:mod:`helpers.calc.parity` says why).
+The loss parity is in :mod:`helpers.notebook.lessons.fsdp2_parity`, the figures in
+:mod:`helpers.notebook.lessons.fsdp2_plots`; this module re-exports both.
 
 Speed is the median, with min-max, of ``windows`` consecutive timed windows inside each run
 (:func:`helpers.calc.throughput.window_samples_per_s`): one launch per system, not one per repeat.
@@ -20,14 +16,16 @@ Example (notebook cells)::
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
-from ...calc import memory, parity
+from ...calc import memory
 from ...calc.throughput import median_spread, window_samples_per_s
 from ...rank import metrics
 from ..checks import claim
 from ..scripts import COURSE, script_diff
+# the loss parity and the figures live in fsdp2_parity.py and fsdp2_plots.py; notebook 07 calls them through here
+from .fsdp2_parity import claim_same_losses, global_losses
+from .fsdp2_plots import plot_comparison, plot_losses  # noqa: F401
 
 SYSTEMS = ("DDP", "ZeRO-3", "FSDP2")
 SCRIPTS = {"DDP": "ddp_cifar10.py", "ZeRO-3": "ds_cifar10.py", "FSDP2": "fsdp2_cifar10.py"}
@@ -164,15 +162,6 @@ def claim_meta_init(model, make_model, *, was_meta: bool, seed: int = 0) -> None
 # ---------------------------------------------------------------------------------------- 4. the same losses
 
 
-def global_losses(run) -> list[float]:
-    """The loss of the global batch per step, in step order: the mean of the ranks' losses (equal per-rank
-    batches)."""
-    by_step: dict[int, list[float]] = {}
-    for r in metrics.steps(run.metrics):
-        by_step.setdefault(r["step"], []).append(r["loss"])
-    return [statistics.fmean(v) for _, v in sorted(by_step.items())]
-
-
 def claim_losses(runs: dict, cfg: Settings) -> dict:
     """:func:`claim_same_losses` for the notebook's runs (labels of the notebook's launch cells); returns the curves
     by label, for the plot."""
@@ -182,70 +171,6 @@ def claim_losses(runs: dict, cfg: Settings) -> dict:
                       resumed_from=runs["resumed"].result["resumed_from"], nproc=cfg.nproc,
                       resume_nproc=cfg.resume_nproc)
     return curves
-
-
-def claim_same_losses(one: list[float], one64: list[float], first: dict[str, list[float]], again: list[float], *,
-                      first64: list[float], again64: list[float], resumed_from: int, nproc: int,
-                      resume_nproc: int) -> dict:
-    """Three claim lines. ``one``/``one64``: the one-process reference over all steps, in fp32 and fp64; ``first``:
-    each system's curve on ``nproc`` ranks over the first half, ``first64`` FSDP2's fp64 twin of it; ``again`` and
-    ``again64``: the run resumed on ``resume_nproc`` ranks over the second half, in fp32 and fp64. The floor of each
-    half is :func:`helpers.calc.parity.twin_floor` over the fp32/fp64 pairs of its steps. Returns the
-    :func:`helpers.calc.parity.check` results by label."""
-    steps = len(one) // 2
-    if len(one64) != len(one) or len(first64) != steps or len(again64) != steps:
-        raise ValueError(f"the fp64 twins ran {len(one64)}, {len(first64)} and {len(again64)} steps: run the fp32 "
-                         f"runs' steps ({len(one)}, {steps}, {steps})")
-    full = {label: len(curve) == steps for label, curve in list(first.items()) + [("resumed", again)]}
-    floor_first = parity.twin_floor((one[:steps], one64[:steps]), (first["FSDP2"], first64)) if full["FSDP2"] \
-        else parity.floor(one[:steps], one64[:steps])
-    floor_all = parity.twin_floor((one, one64), (again, again64)) if full["resumed"] else parity.floor(one, one64)
-
-    fp64 = {f"FSDP2 on {nproc}": parity.check(first64, one64[:steps], floor_first,
-                                              bound=parity.fp64_bound(floor_first)),
-            f"resumed on {resume_nproc}": parity.check(again64, one64[steps:], floor_all,
-                                                       bound=parity.fp64_bound(floor_all))}
-    claim(f"in fp64, FSDP2 on {nproc} ranks and its checkpoint resumed on {resume_nproc} ranks give the one-process "
-          f"fp64 loss at every step, within {parity.K} x the fp32 floor x 2^-29",
-          all(r["ok"] for r in fp64.values()),
-          measured=", ".join(f"{label} {r['gap']:.1e} (bound {r['bound']:.1e})" for label, r in fp64.items()))
-
-    out = {label: parity.check(curve, one[:steps], floor_first) if full[label] else None
-           for label, curve in first.items()}
-    gaps = ", ".join(f"{label} " + ("missing steps" if r is None else f"{r['gap']:.1e}") for label, r in out.items())
-    claim(f"DDP, DeepSpeed ZeRO-3 and FSDP2 on {nproc} ranks give one process's loss at every one of the {steps} "
-          f"steps (fp32, within {parity.K} x the noise floor of fp32 rounding)",
-          all(r is not None and r["ok"] for r in out.values()),
-          measured=f"{gaps}; floor {floor_first:.1e} (fp32 vs fp64 twins, steps 1-{steps}), "
-                   f"bound {parity.K * floor_first:.1e}")
-    resumed = parity.check(again, one[steps:], floor_all) if full["resumed"] else None
-    out[f"resumed on {resume_nproc}"] = resumed
-    claim(f"the run resumed on {resume_nproc} ranks from the {nproc}-rank checkpoint starts at step {steps} and "
-          f"continues the one-process curve for steps {steps + 1}-{2 * steps} (within {parity.K} x the noise floor)",
-          resumed_from == steps and resumed is not None and resumed["ok"],
-          measured=("missing steps" if resumed is None else f"{resumed['gap']:.1e}") +
-                   f"; floor {floor_all:.1e} (steps 1-{2 * steps}), bound {parity.K * floor_all:.1e}")
-    out.update({f"fp64 {label}": r for label, r in fp64.items()})
-    return out
-
-
-def plot_losses(curves: dict, cfg: Settings):
-    """The one-process curve, the three systems on ``nproc`` ranks and the resumed run, per optimizer step."""
-    import matplotlib.pyplot as plt
-
-    n, s = cfg.nproc, cfg.steps
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    ax.plot(range(1, 2 * s + 1), curves["one process"], color="grey", lw=3, alpha=0.5, label="FSDP2, 1 process")
-    ax.plot(range(1, s + 1), curves["FSDP2"], "o-", ms=3, label=f"FSDP2, {n} ranks (saved at step {s})")
-    ax.plot(range(s + 1, 2 * s + 1), curves["resumed"], "s-", ms=3, label=f"FSDP2, resumed on {cfg.resume_nproc} ranks")
-    ax.plot(range(1, s + 1), curves["ZeRO-3"], "x", label=f"DeepSpeed ZeRO-3, {n} ranks")
-    ax.plot(range(1, s + 1), curves["DDP"], "+", ms=8, label=f"DDP, {n} ranks")
-    ax.set(xlabel="optimizer step", ylabel="loss of the global batch (mean of ranks)",
-           title="same global batches, same losses, across a resharded resume")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -371,48 +296,6 @@ def print_table(rows: list[dict], cfg: Settings, params: int) -> None:
     print(f"{cfg.nproc} ranks, {params:,} parameters, fp32, global batch {cfg.global_batch}, {cfg.steps} steps, "
           f"samples/s over {cfg.windows} timed windows per run (P = {4 * params / 2**20:.2f} MiB x (N-1)/N)")
     print(results.table(rows, COLUMNS))
-
-
-def plot_comparison(rows: list[dict], speed: dict, cfg: Settings):
-    """Five panels: model states (measured, and the formula) on their own axis, peak process or GPU memory,
-    samples/s with the windows' min-max, bytes sent per step, checkpoint size."""
-    import matplotlib.pyplot as plt
-
-    labels = [r["label"] for r in rows]
-    x = list(range(len(rows)))
-    gpu = all(r.get("cuda_peak_mib") is not None for r in rows)
-    peak_key, peak_name = ("cuda_peak_mib", "peak GPU memory") if gpu else ("max_rss_mib", "max RSS (process)")
-    fig, axes = plt.subplots(1, 5, figsize=(15, 3.6))
-    states = axes[0]  # its own axis: beside process memory (hundreds of MiB) a few MiB of states would not show
-    for shift, key, color, name in ((-0.2, "model_states_mib", "tab:green", "measured"),
-                                    (0.2, "formula_mib", "tab:olive", "formula")):
-        values = [r[key] for r in rows]
-        states.bar([i + shift for i in x], values, 0.4, color=color, label=name)
-        for i, v in enumerate(values):
-            states.annotate(f"{v:.2f}", (i + shift, v), ha="center", va="bottom", fontsize=7)
-    states.set(title="model states per rank", ylabel="MiB (rank 0)")
-    states.legend(fontsize=8, loc="lower left")
-    rates = [r["samples_per_s"] for r in rows]
-    err = [[r - speed[l][1] for r, l in zip(rates, labels)], [speed[l][2] - r for r, l in zip(rates, labels)]]
-    panels = ((axes[1], [r[peak_key] for r in rows], peak_name + " per rank", "MiB (rank 0)", "tab:gray", None),
-              (axes[2], rates, f"samples/s (median of {cfg.windows} windows)", "samples/s", "tab:blue", err),
-              (axes[3], [r.get("comm_mib_per_step") or 0.0 for r in rows], "sent per step per rank", "MiB",
-               "tab:purple", None),
-              (axes[4], [r.get("checkpoint_mib") or 0.0 for r in rows], "checkpoint size", "MiB", "tab:orange", None))
-    for ax, values, title, ylabel, color, yerr in panels:
-        ax.bar(x, values, color=color, yerr=yerr, capsize=4)
-        ax.set(title=title, ylabel=ylabel)
-        for i, v in enumerate(values):  # above the error bar, where there is one
-            ax.annotate(f"{v:.1f}" if v < 10 else f"{v:.0f}", (i, v + (yerr[1][i] if yerr else 0)), ha="center",
-                        va="bottom", fontsize=8)
-    for ax in axes:
-        ax.set_xticks(x)
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"DDP vs DeepSpeed ZeRO-3 vs FSDP2: SimpleCNN, {cfg.nproc} ranks, same data and steps")
-    fig.tight_layout()
-    return fig
 
 
 def claim_speed(runs: dict, cfg: Settings, speed: dict) -> None:
