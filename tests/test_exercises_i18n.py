@@ -44,7 +44,8 @@ def test_every_message_is_marked_and_found():
                 "write_zero.py", "zero.py", "write_tp.py", "write_gpt.py", "write_pp.py", "write_trace.py"}
     # the checkers, then the widgets' labels and tables and notebook 00's verdict (translate.MARKED)
     assert modules == {f"helpers/notebook/exercises/{name}" for name in checkers} | {
-        "helpers/notebook/widgets.py", "helpers/notebook/step_calculator.py", "helpers/notebook/env.py",
+        "helpers/notebook/widgets.py", "helpers/notebook/config_builder.py", "helpers/notebook/step_calculator.py",
+        "helpers/notebook/env.py",
         "helpers/notebook/lessons/step.py", "helpers/notebook/lessons/comm_model.py"}  # notebook 11's tables
     assert len({s.msgid for s in sources}) > 200
 

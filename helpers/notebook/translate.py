@@ -82,7 +82,8 @@ def notebook_sources(nb, file: str, title: str) -> list[Source]:
 
 
 MARKED = tuple(Path(__file__).resolve().parent / name for name in (
-    "widgets.py", "step_calculator.py", "env.py", "lessons/step.py", "lessons/comm_model.py"))
+    "widgets.py", "config_builder.py", "step_calculator.py", "env.py", "lessons/step.py",
+    "lessons/comm_model.py"))
 # beside the exercise checkers: modules whose _() messages (widget labels, the calculators' and lessons' tables,
 # notebook 00's verdict) go into the same catalogue
 
