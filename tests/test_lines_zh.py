@@ -191,3 +191,27 @@ def test_the_modules_examples_hold():
 
     failed, attempted = doctest.testmod(i18n)
     assert attempted >= 5 and failed == 0
+
+
+def test_a_lessons_table_is_what_its_f_string_printed_and_aligned_in_chinese(english):
+    from helpers.notebook.lessons import table
+
+    spec = ((10, ">"), (13, ">"), (6, ">"))
+    rows = [table.columns(spec, _("checkpoint"), _("measured MiB"), _("saved")),
+            table.columns(spec, "selective", "4.39", "19%")]
+    assert Lines(rows).render("en") == (f"{'checkpoint':>10} {'measured MiB':>13} {'saved':>6}\n"
+                                        f"{'selective':>10} {'4.39':>13} {'19%':>6}")
+    chinese = Lines(rows).render("zh_CN").split("\n")
+    assert CJK.search(chinese[0]) and len({i18n.width(line) for line in chinese}) == 1
+    failed, attempted = __import__("doctest").testmod(table)
+    assert attempted >= 1 and failed == 0
+
+
+def test_a_plot_label_is_chinese_only_where_matplotlib_has_a_chinese_font(chinese, monkeypatch):
+    from helpers.notebook.lessons import table
+
+    text = _("optimizer step")
+    monkeypatch.setattr(table, "cjk_font", lambda: None)
+    assert table.label(text) == "optimizer step"  # no glyphs: English, not empty boxes
+    monkeypatch.setattr(table, "cjk_font", lambda: "Noto Sans CJK SC")
+    assert table.label(text) == text.render("zh_CN") and CJK.search(table.label(text))

@@ -125,7 +125,14 @@ def test_code_cells_and_outputs_are_the_english_ones(chapter):
     for en, zh in zip(english.cells, cells):
         if en.cell_type != "code":
             continue
-        assert zh.source == en.source and zh.metadata == en.metadata and zh.execution_count == en.execution_count
+        if translate.COMMENTS_TAG in en.metadata.get("tags", []):  # an exercise's outline: its comments translated
+            comments = {e.msgid: e.msgstr for e in _catalogue(chapter).translated_entries()
+                        if e.msgctxt == translate.COMMENT_CONTEXT}
+            assert zh.source == translate.localize_comments(en.source, comments) != en.source
+            assert _code_only(zh.source) == _code_only(en.source), "only the comments change"
+        else:
+            assert zh.source == en.source
+        assert zh.metadata == en.metadata and zh.execution_count == en.execution_count
         assert len(zh.outputs) == len(en.outputs)
         for out_en, out_zh in zip(en.outputs, zh.outputs):
             saved = out_en.get("data", {}).get(i18n.MIME)
@@ -224,6 +231,44 @@ def _changed_copy(tmp_path, chapter, old, new):
     path = tmp_path / chapter.file
     nbformat.write(nb, path)
     return path, before, cell.source
+
+
+def _code_only(source: str) -> str:
+    """A cell's source without the text of its comments."""
+    for start, end, _text in reversed(translate.code_comments(source)):
+        source = source[:start] + source[end:]
+    return source
+
+
+def test_code_comments_are_found_by_the_tokenizer_and_replaced_in_place():
+    source = ('def f(x):\n    # each block: keep only x\n    s = "# not a comment"  # trailing note  \n'
+              '    ...\n# print(write.solution("f"))  # a worked solution\n#\n')
+    found = [text for _start, _end, text in translate.code_comments(source)]
+    assert found == ["each block: keep only x", "trailing note", 'print(write.solution("f"))  # a worked solution']
+    table = {"each block: keep only x": "每个 block 只保留 x", "trailing note": "行尾注释"}
+    shown = translate.localize_comments(source, table)
+    assert shown == ('def f(x):\n    # 每个 block 只保留 x\n    s = "# not a comment"  # 行尾注释  \n'
+                     '    ...\n# print(write.solution("f"))  # a worked solution\n#\n')
+    assert _code_only(shown) == _code_only(source)
+
+
+def test_a_tagged_code_cells_comments_are_catalogue_entries_and_built_in_chinese(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    outline = "def f():\n    # return the answer\n    ...\n"
+    nb.cells = [nbformat.v4.new_markdown_cell("# Title"), nbformat.v4.new_code_cell(outline),
+                nbformat.v4.new_code_cell("x = 1  # not tagged: stays English")]
+    nb.cells[1].metadata["tags"] = ["exercise-write", translate.COMMENTS_TAG]
+    po = translate.update(translate.notebook_sources(nb, "00_x.ipynb", "Title"), tmp_path / "00_x.po")
+    assert [(e.msgctxt, e.msgid) for e in translate.needs_work(po)] == [
+        (translate.TITLE_CONTEXT, "Title"), (None, "# Title"), (translate.COMMENT_CONTEXT, "return the answer")]
+    with pytest.raises(translate.Untranslated, match="return the answer"):
+        translate.build_notebook(nb, po, "00_x.ipynb")
+    for entry in po:
+        entry.msgstr = {"Title": "标题", "# Title": "# 标题", "return the answer": "返回答案"}[entry.msgid]
+    built = translate.build_notebook(nb, po, "00_x.ipynb")
+    assert built.cells[2].source == "def f():\n    # 返回答案\n    ...\n"
+    assert built.cells[3].source == nb.cells[2].source
+    assert nb.cells[1].source == outline  # the English notebook is untouched
 
 
 def test_changing_one_english_sentence_fails_until_its_translation_is_updated(tmp_path):

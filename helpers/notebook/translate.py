@@ -1,7 +1,8 @@
 """The Chinese edition: gettext catalogues of the English prose, and the Chinese notebooks built from them.
 
 ``translations/zh_CN/NN_name.po`` holds one entry per markdown cell of ``notebooks/NN_name.ipynb`` (the msgid is
-the whole cell) and the notebook's title from ``course/syllabus.yml`` (msgctxt ``syllabus title``);
+the whole cell), the notebook's title from ``course/syllabus.yml`` (msgctxt ``syllabus title``) and each comment of
+the code cells tagged ``zh-comments`` (msgctxt ``code comment``: an exercise's outline, the text after ``#``);
 ``translations/zh_CN/exercises.po`` holds the exercise checkers' messages (every ``_("...")`` in
 ``helpers/notebook/exercises``); ``translations/zh_CN/checks.po`` the sentences of the check lines the English
 notebooks' outputs hold, numbers as fields (:func:`helpers.notebook.checks.template`); and
@@ -12,7 +13,8 @@ the launcher's stall diagnosis), the same way. They are ordinary gettext files: 
 changed keeps its old translation marked ``fuzzy`` (with the old English as ``#| msgid``), a new cell gets an empty
 entry, and a removed cell's entry is kept as obsolete (``#~``). :func:`build` then makes ``notebooks/zh/NN_name.ipynb``
 from the *executed* English notebook: markdown replaced by its translation, a note on what stays English put after
-the title, code cells and their outputs as they are, except that a saved exercise verdict is shown in Chinese (from
+the title, code cells and their outputs as they are (the comments of a ``zh-comments`` cell translated, its code
+untouched), except that a saved exercise verdict is shown in Chinese (from
 the msgid and fields it was saved with), and so are every check line and the lines of ``zh-messages`` cells (from
 their sentences' templates and numbers). Nothing is executed, so both editions show the same run. A catalogue with an
 untranslated or fuzzy entry builds nothing and says which entries need work.
@@ -40,6 +42,8 @@ TITLE_CONTEXT = "syllabus title"
 EXERCISES = Path(__file__).resolve().parent / "exercises"
 NOTE_ID = "zh-edition-note"
 MESSAGES_TAG = "zh-messages"  # a code cell whose printed lines are messages for the learner (validator, launcher)
+COMMENTS_TAG = "zh-comments"  # a code cell whose comments are prose for the learner (a write-the-code outline)
+COMMENT_CONTEXT = "code comment"
 FUZZY_CUTOFF = 0.5  # difflib ratio above which a changed cell's old translation is offered as a fuzzy match
 HEADER = {
     "Project-Id-Version": "dtfz-course",
@@ -73,19 +77,54 @@ def catalogue_path(stem: str) -> Path:
 
 
 def notebook_sources(nb, file: str, title: str) -> list[Source]:
-    """The syllabus title, then every non-empty markdown cell of the English notebook, in order."""
+    """The syllabus title, then every non-empty markdown cell of the English notebook and every comment of its
+    ``zh-comments`` code cells, in order."""
     out = [Source(title, "course/syllabus.yml", TITLE_CONTEXT)]
     for index, cell in enumerate(nb.cells):
+        where = f"notebooks/{file}:{cell.get('id', index)}"
         if cell.cell_type == "markdown" and cell.source.strip():
-            out.append(Source(cell.source, f"notebooks/{file}:{cell.get('id', index)}"))
+            out.append(Source(cell.source, where))
+        elif cell.cell_type == "code" and COMMENTS_TAG in cell.metadata.get("tags", []):
+            out += [Source(text, where, COMMENT_CONTEXT) for _start, _end, text in code_comments(cell.source)]
     return out
+
+
+def code_comments(source: str) -> list[tuple[int, int, str]]:
+    """(start, end, text) of each comment of a code cell's Python source: ``source[start:end]`` is its text, after
+    the ``#`` and one space, trailing spaces left out. Found by :mod:`tokenize`, so a ``#`` inside a string is no
+    comment."""
+    import io
+    import tokenize
+
+    starts = [0]
+    for row in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(row))
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        skip = 2 if tok.string.startswith("# ") else 1
+        body = tok.string[skip:].rstrip()
+        if body:
+            start = starts[tok.start[0] - 1] + tok.start[1] + skip
+            out.append((start, start + len(body), body))
+    return out
+
+
+def localize_comments(source: str, table: dict[str, str]) -> str:
+    """A code cell's source with each comment's text replaced by ``table``'s translation of it (the code, and a
+    comment the table lacks, as they are)."""
+    for start, end, text in reversed(code_comments(source)):
+        source = source[:start] + table.get(text, text) + source[end:]
+    return source
 
 
 MARKED = tuple(Path(__file__).resolve().parent / name for name in (
     "widgets.py", "config_builder.py", "step_calculator.py", "env.py", "lessons/step.py",
-    "lessons/comm_model.py"))
-# beside the exercise checkers: modules whose _() messages (widget labels, the calculators' and lessons' tables,
-# notebook 00's verdict) go into the same catalogue
+    "lessons/comm_model.py", "lessons/activations.py", "lessons/tp.py", "lessons/pipeline.py", "lessons/schedules.py",
+    "lessons/layout.py"))
+# beside the exercise checkers: modules whose _() messages (widget labels, the calculators' and lessons' tables and
+# plot labels, notebook 00's verdict) go into the same catalogue
 
 
 def exercise_sources(folder: Path = EXERCISES, also: tuple[Path, ...] = MARKED) -> list[Source]:
@@ -250,11 +289,14 @@ def build_notebook(english, po, english_file: str, *, strict: bool = True):
 
             raise Untranslated(catalogue_path(domain), [polib.POEntry(msgid=m) for m in sorted(unknown)])
     messages = i18n.catalogue(LANG, i18n.MESSAGES_DOMAIN)
+    comments = {msgid: text for (context, msgid), text in translated.items() if context == COMMENT_CONTEXT}
     nb = copy.deepcopy(english)
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.strip():
             cell.source = translated[(None, cell.source)]
         elif cell.cell_type == "code":
+            if COMMENTS_TAG in cell.metadata.get("tags", []):
+                cell.source = localize_comments(cell.source, comments)
             for out in cell.get("outputs", []):
                 saved = out.get("data", {}).get(i18n.MIME)
                 if saved and saved.get("kind") == "verdict":

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from ...calc import activations, memory
 from ...calc.throughput import median_spread
 from ..checks import claim
+from ..i18n import _
+from .table import Lines, columns, line, show
 
 FORMULA_TOLERANCE = 0.10  # measured vs formula, relative: the issue's bound, for every size shown
 TRAIN_MARGIN = 0.8  # the held-out loss must end below this fraction of the unigram baseline
@@ -126,16 +128,20 @@ def claim_formula(run) -> list[dict]:
     attention, every ratio within :data:`FORMULA_TOLERANCE`."""
     rows = []
     cuda = all("cuda_act_bytes" in r for r in run.result["activations"])  # GPUs: the allocator's count too
-    print(f"{'seq':>5} {'batch':>5} {'width':>5} {'attention':>9} {'measured MiB':>13} {'formula MiB':>12} "
-          f"{'ratio':>6} {'s^2 share':>9}" + (f" {'allocator MiB':>13}" if cuda else ""))
+    spec = ((5, ">"), (5, ">"), (5, ">"), (9, ">"), (13, ">"), (12, ">"), (6, ">"), (9, ">"), (13, ">"))
+    heads = [_("seq"), "batch", _("width"), _("attention"), _("measured MiB"), _("formula MiB"), _("ratio"),
+             _("s^2 share")] + ([_("allocator MiB")] if cuda else [])
+    table = [columns(spec, *heads)]
     for r in run.result["activations"]:
         formula = formula_bytes(r)
         sq = r["n_layer"] * activations.layer_terms(r["seq_len"], r["batch"], r["d_model"], r["n_head"],
                                                     r["dtype"], r["attention"]).get("softmax output", 0)
         rows.append(dict(r, formula=formula, ratio=r["act_bytes"] / formula, square_share=sq / formula))
-        print(f"{r['seq_len']:>5} {r['batch']:>5} {r['d_model']:>5} {r['attention']:>9} "
-              f"{r['act_bytes'] / MIB:>13.2f} {formula / MIB:>12.2f} {rows[-1]['ratio']:>6.3f} "
-              f"{rows[-1]['square_share']:>9.0%}" + (f" {r['cuda_act_bytes'] / MIB:>13.2f}" if cuda else ""))
+        table.append(columns(spec, str(r["seq_len"]), str(r["batch"]), str(r["d_model"]), r["attention"],
+                             f"{r['act_bytes'] / MIB:.2f}", f"{formula / MIB:.2f}", f"{rows[-1]['ratio']:.3f}",
+                             f"{rows[-1]['square_share']:.0%}",
+                             *([f"{r['cuda_act_bytes'] / MIB:.2f}"] if cuda else [])))
+    show(Lines(table))
     for attention in ("math", "sdpa"):
         ratios = [r["ratio"] for r in rows if r["attention"] == attention]
         if ratios:
@@ -156,9 +162,11 @@ def claim_peak(run) -> dict:
     r, peak = run.result, run.result["peak_split"]
     states = memory.zero_model_state_bytes(r["params"], 1, stage=0, precision="fp32")
     total = sum(peak.values())
-    for kind, label in (("param", "parameters"), ("grad", "gradients"), ("opt", "optimizer state"),
-                        ("act", "activations"), ("temp", "temporaries")):
-        print(f"{label:>16} {peak[kind] / MIB:8.2f} MiB {peak[kind] / total:6.1%}")
+    show(Lines([columns(((16, ">"), (8, ">"), (None, "<"), (6, ">")), label, f"{peak[kind] / MIB:.2f}", "MiB",
+                        f"{peak[kind] / total:.1%}")
+                for kind, label in (("param", _("parameters")), ("grad", _("gradients")),
+                                    ("opt", _("optimizer state")), ("act", _("activations")),
+                                    ("temp", _("temporaries")))]))
     claim("parameters at the peak are exactly 4 bytes x parameter count", peak["param"] == states["params"],
           measured=f"{peak['param']} B")
     after_forward = r["checkpointing"]["none"]["act_bytes"]
@@ -180,7 +188,9 @@ def claim_checkpointing(run) -> dict:
     r = run.result
     base = dict(next(x for x in r["activations"] if x["attention"] == "math"))
     out = {}
-    print(f"{'checkpoint':>10} {'measured MiB':>13} {'formula MiB':>12} {'saved':>6} {'step ms (min-max)':>22}")
+    spec = ((10, ">"), (13, ">"), (12, ">"), (6, ">"), (22, ">"))
+    table = [columns(spec, _("checkpoint"), _("measured MiB"), _("formula MiB"), _("saved"),
+                     _("step ms (min-max)"))]
     for mode, c in r["checkpointing"].items():
         med, lo, hi = median_spread(c["step_s"])
         out[mode] = dict(act=c["act_bytes"], formula=formula_bytes(base, mode), step=(med, lo, hi))
@@ -189,8 +199,9 @@ def claim_checkpointing(run) -> dict:
         o["saved"] = 1 - o["act"] / none["act"]
         o["cost"] = o["step"][0] / none["step"][0] - 1
         med, lo, hi = o["step"]
-        print(f"{mode:>10} {o['act'] / MIB:>13.2f} {o['formula'] / MIB:>12.2f} {o['saved']:>6.0%} "
-              f"{med * 1e3:>9.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f})")
+        table.append(columns(spec[:4] + ((9, ">"),), mode, f"{o['act'] / MIB:.2f}", f"{o['formula'] / MIB:.2f}",
+                             f"{o['saved']:.0%}", f"{med * 1e3:.1f}", f"({lo * 1e3:.1f}-{hi * 1e3:.1f})"))
+    show(Lines(table))
     ratios = [o["act"] / o["formula"] for o in out.values()]
     claim(f"every mode's activations within 1 +- {FORMULA_TOLERANCE} of the formula",
           all(abs(x - 1) <= FORMULA_TOLERANCE for x in ratios), measured=", ".join(f"{x:.3f}" for x in ratios))
@@ -198,8 +209,9 @@ def claim_checkpointing(run) -> dict:
           out["full"]["act"] < out["selective"]["act"] < none["act"])
     claim("recomputing costs time: full checkpointing's median step is slower than no checkpointing's",
           out["full"]["step"][0] > none["step"][0], measured=f"{out['full']['cost']:+.0%}")
-    for mode in ("selective", "full"):
-        print(f"{mode}: {out[mode]['saved']:.0%} less activation memory for {out[mode]['cost']:+.0%} step time")
+    show(Lines([line(_("{mode}: {saved} less activation memory for {cost} step time", mode=mode,
+                       saved=f"{out[mode]['saved']:.0%}", cost=f"{out[mode]['cost']:+.0%}"))
+                for mode in ("selective", "full")]))
     return out
 
 
@@ -276,13 +288,16 @@ def real_size_rows(shape: dict = GPT3) -> list[dict]:
 def claim_real_size(shape: dict = GPT3, name: str = "GPT-3 175B") -> list[dict]:
     """The table of :func:`real_size_rows` and the claim that the measured layer and head equal the formula's."""
     rows = real_size_rows(shape)
-    print(f"{'attention':>9} {'layer GiB':>10} {'formula':>8} {'head GiB':>9} {'formula':>8} "
-          f"{'x ' + str(shape['n_layer']) + ' layers + head':>22}")
-    for r in rows:
-        print(f"{r['attention']:>9} {r['layer'] / GIB:10.3f} {r['formula'] / GIB:8.3f} {r['head'] / GIB:9.3f} "
-              f"{r['head_formula'] / GIB:8.3f} {r['model'] / GIB:18.1f} GiB")
-    print(f"the course GPT at {name}'s shape (s={shape['s']}, b={shape['b']}, h={shape['h']}, a={shape['a']}, "
-          f"V={shape['vocab']}), bf16, on fake tensors: nothing allocated")
+    spec = ((9, ">"), (10, ">"), (8, ">"), (9, ">"), (8, ">"), (22, ">"))
+    table = [columns(spec, _("attention"), _("layer GiB"), _("formula"), _("head GiB"), _("formula"),
+                     _("x {n} layers + head", n=shape["n_layer"]))]
+    table += [columns(spec[:5] + ((18, ">"),), r["attention"], f"{r['layer'] / GIB:.3f}", f"{r['formula'] / GIB:.3f}",
+                      f"{r['head'] / GIB:.3f}", f"{r['head_formula'] / GIB:.3f}", f"{r['model'] / GIB:.1f}", "GiB")
+              for r in rows]
+    table.append(line(_("the course GPT at {name}'s shape ({dims}), bf16, on fake tensors: nothing allocated",
+                        name=name, dims=f"s={shape['s']}, b={shape['b']}, h={shape['h']}, a={shape['a']}, "
+                                        f"V={shape['vocab']}")))
+    show(Lines(table))
     ok = all(abs(r["layer"] - r["formula"]) <= 0.01 * r["formula"]
              and abs(r["head"] - r["head_formula"]) <= 0.01 * r["head_formula"] for r in rows)
     claim(f"at {name}'s real shape in bf16, one layer and the head hold the formula's bytes within 1%, with both "

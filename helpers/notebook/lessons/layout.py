@@ -9,7 +9,9 @@ import re
 
 from ...rank import metrics
 from ..checks import claim
+from ..i18n import _
 from ..scripts import COURSE
+from .table import Lines, columns, line, show
 
 
 def gpt_shape(gpt: dict) -> dict:
@@ -37,15 +39,23 @@ MODEL_TIE = 0.02  # step times this close are a tie for a first-order model that
 
 
 def _layout(l: dict) -> str:
-    return (f"dp {l['dp']} x tp {l['tp']} x pp {l['pp']}, ZeRO-{l['zero']}, checkpoint {l['checkpoint']}"
-            + (", sequence parallel" if l["sp"] else "") + f", {l['microbatches']} micro-batches")
+    mesh = f"dp {l['dp']} x tp {l['tp']} x pp {l['pp']}, ZeRO-{l['zero']}"
+    if l["sp"]:
+        return _("{mesh}, checkpoint {checkpoint}, sequence parallel, {m} micro-batches", mesh=mesh,
+                 checkpoint=l["checkpoint"], m=l["microbatches"])
+    return _("{mesh}, checkpoint {checkpoint}, {m} micro-batches", mesh=mesh, checkpoint=l["checkpoint"],
+             m=l["microbatches"])
 
 
-def _row(tag: str, f: dict) -> str:
+def _row(tag, f: dict) -> list:
+    """A layout's two lines: its tag (a text, or a list of pieces) and shape, then its memory and modelled step
+    time."""
     t = f["seconds"]
-    return (f"  {tag}: {_layout(f['layout'])}\n            {f['bytes'] / GIB:5.1f} GiB per GPU, step "
-            f"{t['total']:.2f} s (compute {t['compute']:.2f}, TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, "
-            f"bubble {t['bubble']:.0%})")
+    return [line("  ", *(tag if isinstance(tag, list) else [tag]), ": ", _layout(f["layout"])),
+            line("            ", _("{gib} GiB per GPU, step {total} s (compute {compute}, TP {tp}, exposed DP {dp}, "
+                                   "bubble {bubble})", gib=f"{f['bytes'] / GIB:5.1f}", total=f"{t['total']:.2f}",
+                                   compute=f"{t['compute']:.2f}", tp=f"{t['tp']:.2f}", dp=f"{t['dp_exposed']:.2f}",
+                                   bubble=f"{t['bubble']:.0%}"))]
 
 
 def show_proposals() -> None:
@@ -53,26 +63,30 @@ def show_proposals() -> None:
     parallelism (tp = pp = 1), with memory per GPU and the modelled step time; for 175B also Megatron-LM's layout."""
     from ...calc import plan
 
-    print(f"bf16 weights, fp32 master copy and Adam (K = 12), flash attention, micro-batches of 1 sequence (without "
-          f"a pipeline: gradient accumulation); {GPU_BYTES / GIB:.0f} GiB per GPU, {plan.USABLE:.0%} of it usable, "
-          f"{GPUS_PER_NODE} GPUs per node")
+    table = [line(_("bf16 weights, fp32 master copy and Adam (K = 12), flash attention, micro-batches of 1 sequence "
+                    "(without a pipeline: gradient accumulation); {gib} GiB per GPU, {usable} of it usable, {n} GPUs "
+                    "per node", gib=f"{GPU_BYTES / GIB:.0f}", usable=f"{plan.USABLE:.0%}", n=GPUS_PER_NODE))]
     firsts, dp_firsts, megatron = {}, {}, None
     for name, shape, gpus, batch in SCENARIOS:
         fits = plan.propose(shape, gpu_bytes=GPU_BYTES, n_gpus=gpus, gpus_per_node=GPUS_PER_NODE, global_batch=batch)
         dp_only = [f for f in fits if f["layout"]["tp"] == f["layout"]["pp"] == 1]
         firsts[name], dp_firsts[name] = (fits or [None])[0], (dp_only or [None])[0]
-        print(f"\n{name} on {gpus} GPUs, {batch} sequences a step: {len(fits)} layouts fit")
-        print(_row("proposed", fits[0]) if fits else "  proposed: none fits")
+        table += [[], line(_("{name} on {gpus} GPUs, {batch} sequences a step: {n} layouts fit", name=name, gpus=gpus,
+                             batch=batch, n=len(fits)))]
+        table += _row(_("proposed"), fits[0]) if fits else [line("  ", _("proposed"), ": ", _("none fits"))]
+        dp_tag = [_("DP only"), " "]
         if not dp_only:
-            why = f"{gpus} ranks do not split {batch} sequences" if batch % gpus else "none fits in memory"
-            print(f"  DP only : none ({why})")
+            why = (_("{gpus} ranks do not split {batch} sequences", gpus=gpus, batch=batch) if batch % gpus
+                   else _("none fits in memory"))
+            table.append(line("  ", *dp_tag, ": ", _("none ({why})", why=why)))
         else:
-            print("  DP only : the same" if dp_only[0] is fits[0] else _row("DP only ", dp_only[0]))
+            table += [line("  ", *dp_tag, ": ", _("the same"))] if dp_only[0] is fits[0] else _row(dp_tag, dp_only[0])
         if name == SCENARIOS[-1][0]:
             lay = MEGATRON_175B
             megatron = next((f for f in fits if all(f["layout"][k] == v for k, v in lay.items())), None)
-            print(_row("Megatron", megatron) if megatron else "  Megatron: does not fit")
-    (xl, _, _, _), (mid, _, _, _), (large, _, _, _) = SCENARIOS
+            table += _row("Megatron", megatron) if megatron else [line("  Megatron: ", _("does not fit"))]
+    show(Lines(table))
+    xl, mid, large = (scenario[0] for scenario in SCENARIOS)
     total = {k: f["seconds"]["total"] if f else None for k, f in
              dict(xl=firsts[xl], mid=firsts[mid], mid_dp=dp_firsts[mid], large=firsts[large], megatron=megatron).items()}
     claim(f"{xl}: no model parallelism (tp = pp = 1)", bool(firsts[xl]) and firsts[xl]["layout"]["tp"] == 1
@@ -108,8 +122,9 @@ def claim_prediction(runs3: dict) -> None:
     from .activations import FORMULA_TOLERANCE
 
     predicted = predicted_3d(runs3["3-D"])
-    print(f"{'rank':>4} {'stage':>5} {'states KiB':>10} {'formula':>8} {'activations KiB':>15} {'formula':>8} "
-          f"{'ratio':>6}")
+    spec = ((4, ">"), (5, ">"), (10, ">"), (8, ">"), (15, ">"), (8, ">"), (6, ">"))
+    table = [columns(spec, "rank", _("stage"), _("states KiB"), _("formula"), _("activations KiB"), _("formula"),
+                     _("ratio"))]
     exact, ratios = [], []
     for rank, res in runs3["3-D"].results_by_rank().items():
         stage = res["pp_stages"][0]
@@ -118,8 +133,10 @@ def claim_prediction(runs3: dict) -> None:
         act = res["pp_saved_bytes"][str(stage)]
         exact.append(got == {"params": want["params_bytes"], "grads": want["grads"], "optimizer": want["optimizer"]})
         ratios.append(act / want["activations"])
-        print(f"{rank:4d} {stage:5d} {states / 1024:10.1f} {(want['total'] - want['activations']) / 1024:8.1f} "
-              f"{act / 1024:15.1f} {want['activations'] / 1024:8.1f} {ratios[-1]:6.3f}")
+        table.append(columns(spec, str(rank), str(stage), f"{states / 1024:.1f}",
+                             f"{(want['total'] - want['activations']) / 1024:.1f}", f"{act / 1024:.1f}",
+                             f"{want['activations'] / 1024:.1f}", f"{ratios[-1]:.3f}"))
+    show(Lines(table))
     claim("each rank's parameters, gradients and AdamW state are the calculator's bytes exactly", all(exact),
           measured=f"{sum(exact)} of {len(exact)} ranks")
     claim(f"each rank's peak activations (1F1B: min(p - s, m) micro-batches in flight) within 1 +- "
@@ -137,7 +154,7 @@ def bandwidth_here() -> tuple[float, str] | None:
         steps = [r for r in metrics.read_metrics(runs[-1].parent) if r.get("kind") == "step"]
         best = max((r["busbw_gbs"] for r in steps), default=0.0)
         if best > 0:
-            return best, "notebook 00's all-reduce on this machine"
+            return best, _("notebook 00's all-reduce on this machine")
     import nbformat
 
     nb = nbformat.read(COURSE.parent / "notebooks" / "00_environment_check.ipynb", as_version=4)
@@ -146,7 +163,7 @@ def bandwidth_here() -> tuple[float, str] | None:
             for out in cell.get("outputs", []):
                 found = re.search(r"peak bus bandwidth measured: ([0-9.]+) GB/s", out.get("text", ""))
                 if found and float(found.group(1)) > 0:
-                    return float(found.group(1)), "notebook 00's committed output, not run on this machine yet"
+                    return float(found.group(1)), _("notebook 00's committed output, not run on this machine yet")
     return None
 
 
@@ -154,7 +171,7 @@ def axis_costs() -> tuple[dict, float]:
     """Bytes per step and rank on each axis of GPT-3 175B in Megatron's shape, and the step's modelled compute."""
     from ...calc import plan
 
-    _, shape, _, batch = SCENARIOS[-1]
+    _name, shape, _gpus, batch = SCENARIOS[-1]
     lay = MEGATRON_175B
     comm = plan.step_comm_bytes(shape, dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], microbatches=lay["microbatches"],
                                 precision="mixed", vocab_parallel=True)
@@ -169,13 +186,16 @@ def claim_axis_costs() -> None:
 
     comm, compute = axis_costs()
     lay, links = MEGATRON_175B, {"NVLink": plan.H100_NODE["nvlink"], "InfiniBand": plan.H100_NODE["network"]}
-    print(f"{SCENARIOS[-1][0]}, dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, {lay['microbatches']} micro-batches "
-          f"of 1 sequence; compute {compute:.1f} s a step (modelled); seconds to send each axis's bytes over:")
-    print(f"{'axis':>4} {'GB/step':>8}" + "".join(f" {f'{k} {v / GB:.0f} GB/s':>20}" for k, v in links.items())
-          + "   (per rank: DP of the first stage, its embedding split over TP as in Megatron-LM; PP of a middle "
-          "stage, which sends activations forward and gradients back)")
-    for axis, b in comm.items():
-        print(f"{axis:>4} {b / GB:8.1f}" + "".join(f" {b / v:20.2f}" for v in links.values()))
+    spec = ((4, ">"), (8, ">")) + ((20, ">"),) * len(links)
+    table = [line(_("{model}, {mesh}, {m} micro-batches of 1 sequence; compute {compute} s a step (modelled); seconds "
+                    "to send each axis's bytes over:", model=SCENARIOS[-1][0], m=lay["microbatches"],
+                    mesh=f"dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}", compute=f"{compute:.1f}")),
+             columns(spec, _("axis"), "GB/step", *(f"{k} {v / GB:.0f} GB/s" for k, v in links.items()))
+             + line("   ", _("(per rank: DP of the first stage, its embedding split over TP as in Megatron-LM; PP of a "
+                             "middle stage, which sends activations forward and gradients back)"))]
+    table += [columns(spec, axis, f"{b / GB:.1f}", *(f"{b / v:.2f}" for v in links.values()))
+              for axis, b in comm.items()]
+    show(Lines(table))
     claim("TP moves the most bytes of the three axes: over NVLink a fraction of the compute, over InfiniBand more "
           "than all of it", comm["tp"] > max(comm["pp"], comm["dp"])
           and comm["tp"] / links["NVLink"] < 0.25 * compute < compute < comm["tp"] / links["InfiniBand"],
@@ -184,10 +204,10 @@ def claim_axis_costs() -> None:
 
 def show_here() -> None:
     """The same bytes at the all-reduce bandwidth notebook 00 measured on this machine."""
-    comm, _ = axis_costs()
+    comm, _compute = axis_costs()
     found = bandwidth_here()
     if not found:
         raise RuntimeError("notebook 00 has neither a bandwidth run here nor a committed headline: run notebook 00")
     here, source = found
-    print(f"at {here:.2f} GB/s ({source}): " +
-          ", ".join(f"{axis.upper()} {b / GB / here:,.0f} s" for axis, b in comm.items()) + " a step")
+    show(Lines([line(_("at {bandwidth} GB/s ({source}): {seconds} a step", bandwidth=f"{here:.2f}", source=source,
+                       seconds=", ".join(f"{axis.upper()} {b / GB / here:,.0f} s" for axis, b in comm.items())))]))

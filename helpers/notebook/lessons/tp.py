@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from ...calc import activations, parity, tp
 from ...rank import metrics
 from ..checks import claim
-from ..i18n import say
+from ..i18n import _, say
 from ..scripts import COURSE, script_diff
+from .table import Lines, columns, line, show
+from .table import label as plot_label
 
 HEADS, D_MODEL, SEQ_LEN, N_LAYER = 12, 96, 48, 2  # course/gpt_tp.py's defaults: 12 heads split over 1, 2, 3, 4
 TP_RUNS = ("TP", "TP+SP")
@@ -105,13 +107,16 @@ def claim_shards(run, full: dict[str, list[int]], nproc: int) -> None:
         for r in by_rank.values() for name, shape in r["shard_shapes"].items())
     shown = [n for n in full if (n.startswith("blocks.0.") and not n.endswith("bias")) or n in ("tok_emb.weight",
                                                                                                  "head.weight")]
-    print(f"{'parameter':26s} {'whole':>10} " + " ".join(f"{'rank ' + str(r):>10}" for r in sorted(by_rank))
-          + "  split")
+    spec = ((26, "<"),) + ((10, ">"),) * (1 + len(by_rank))
+    table = [columns(spec, _("parameter"), _("whole"), *(f"rank {r}" for r in sorted(by_rank))) + line("  ", _("split"))]
     for name in shown:
         dim = tp.shard_dim(name)
-        split = "replicated" if dim is None else ("dim 0 (column-parallel)" if dim == 0 else "dim 1 (row-parallel)")
-        print(f"{name:26s} {str(tuple(full[name])):>10} " + " ".join(
-            f"{str(tuple(by_rank[r]['shard_shapes'][name])):>10}" for r in sorted(by_rank)) + f"  {split}")
+        split = _("replicated") if dim is None else (_("dim 0 (column-parallel)") if dim == 0 else
+                                                     _("dim 1 (row-parallel)"))
+        table.append(columns(spec, name, str(tuple(full[name])),
+                             *(str(tuple(by_rank[r]["shard_shapes"][name])) for r in sorted(by_rank)))
+                     + line("  ", split))
+    show(Lines(table))
     claim(f"on each of the {nproc} ranks, q/k/v and mlp.up hold 1/{nproc} of their rows, proj and mlp.down 1/{nproc} "
           f"of their columns, and the embeddings, LayerNorms and head are whole (every parameter, every rank)", ok)
 
@@ -158,12 +163,12 @@ def plot_losses(curves: dict, cfg: Settings):
 
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     steps = range(1, len(curves["one process"]) + 1)
-    ax.plot(steps, curves["one process"], color="grey", lw=3, alpha=0.5, label="1 process")
-    for label, style in (("TP", "o"), ("TP+SP", "x"), ("FSDP2 x TP", "+")):
-        if label in curves:
-            ax.plot(steps, curves[label], style, ms=5, label=label)
-    ax.set(xlabel="optimizer step", ylabel="loss of the global batch (nats/char)",
-           title=f"TP degree {cfg.nproc}: the same losses as one process")
+    ax.plot(steps, curves["one process"], color="grey", lw=3, alpha=0.5, label=plot_label(_("1 process")))
+    for run, style in (("TP", "o"), ("TP+SP", "x"), ("FSDP2 x TP", "+")):
+        if run in curves:
+            ax.plot(steps, curves[run], style, ms=5, label=run)
+    ax.set(xlabel=plot_label(_("optimizer step")), ylabel=plot_label(_("loss of the global batch (nats/char)")),
+           title=plot_label(_("TP degree {n}: the same losses as one process", n=cfg.nproc)))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -196,16 +201,18 @@ def comm_table(runs: dict, cfg: Settings) -> list[tuple]:
 def claim_comms(runs: dict, cfg: Settings) -> None:
     """The table of counted collectives against the formula, and the claim that they are equal on every rank."""
     rows = comm_table(runs, cfg)
-    print(f"{'run':6s} {'phase':9s} {'collective':15s} {'counted':>7} {'formula':>7} {'elements/call':>14}")
-    for label, phase, op, got, want, size in rows:
-        print(f"{label:6s} {phase:9s} {op:15s} {got:>7} {want:>7} {size:>14,}")
+    spec = ((6, "<"), (9, "<"), (15, "<"), (7, ">"), (7, ">"), (14, ">"))
+    table = [columns(spec, _("run"), _("phase"), _("collective"), _("counted"), _("formula"), _("elements/call"))]
+    table += [columns(spec, label, phase, op, str(got), str(want), f"{size:,}")
+              for label, phase, op, got, want, size in rows]
     if not rows:
-        print("(no collective in any phase: one rank sends nothing)")
+        table.append(line(_("(no collective in any phase: one rank sends nothing)")))
     for label in TP_RUNS:
         layer = tp.per_layer(cfg.nproc, label == "TP+SP")
-        print(f"each layer adds ({label}): " + ("; ".join(
-            f"{phase} " + ", ".join(f"{calls} {op}" for op, calls in ops.items()) for phase, ops in layer.items()
-            if ops) or "nothing (one rank)"))
+        adds = "; ".join(f"{phase} " + ", ".join(f"{calls} {op}" for op, calls in ops.items())
+                         for phase, ops in layer.items() if ops)
+        table.append(line(_("each layer adds ({label}): {adds}", label=label, adds=adds or _("nothing (one rank)"))))
+    show(Lines(table))
     same = all(measured_calls(runs[l])[rank] == {p: {c: n for c, n in tp.tp_collectives(N_LAYER, cfg.nproc,
                                                                                         l == "TP+SP")[p].items()}
                                                  for p in tp.PHASES}
@@ -233,13 +240,17 @@ def claim_activations(runs: dict, cfg: Settings) -> list[dict]:
     """The table of :func:`activation_rows`, in KiB and in units of s b h fp32 elements, and the claim that every
     block on every rank saved the formula's bytes, within 1% (the formula's small terms are exact here too)."""
     rows = activation_rows(runs, cfg)
-    print(f"{'run':12s} {'ranks':>5} {'measured KiB':>13} {'= x sbh':>8} {'formula KiB':>12} {'Megatron SP KiB':>16}")
+    spec = ((12, "<"), (5, ">"), (13, ">"), (8, ">"), (12, ">"), (16, ">"))
+    names = {"one process": _("one process")}
+    table = [columns(spec, _("run"), _("ranks"), _("measured KiB"), _("= x sbh"), _("formula KiB"),
+                     _("Megatron SP KiB"))]
     for r in rows:
-        megatron = f"{r['megatron'] / 1024:16.1f}" if r["run"] == "TP+SP" else f"{'-':>16}"
-        print(f"{r['run']:12s} {r['ranks']:>5} {r['measured'] / 1024:13.1f} {r['measured'] / r['sbh']:8.2f} "
-              f"{r['formula'] / 1024:12.1f} {megatron}")
-    print(f"one block's saved activations on one rank (s={SEQ_LEN}, b={cfg.batch}, h={D_MODEL}, a={HEADS}, fp32); "
-          "sbh = s x b x h x 4 bytes")
+        megatron = f"{r['megatron'] / 1024:.1f}" if r["run"] == "TP+SP" else "-"
+        table.append(columns(spec, names.get(r["run"], r["run"]), str(r["ranks"]), f"{r['measured'] / 1024:.1f}",
+                             f"{r['measured'] / r['sbh']:.2f}", f"{r['formula'] / 1024:.1f}", megatron))
+    table.append(line(_("one block's saved activations on one rank ({dims}, fp32); sbh = s x b x h x 4 bytes",
+                        dims=f"s={SEQ_LEN}, b={cfg.batch}, h={D_MODEL}, a={HEADS}")))
+    show(Lines(table))
     ok = all(r["spread"] == 0 and abs(r["measured"] - r["formula"]) <= 0.01 * r["formula"] for r in rows)
     claim(f"every block on every rank saves the formula's bytes, within 1%: 16 sbh + the softmax in one process; "
           f"with TP over t = {cfg.nproc} ranks the LayerNorms' inputs and outputs whole (4 sbh) and the rest / t; with "
@@ -251,12 +262,14 @@ def claim_activations(runs: dict, cfg: Settings) -> list[dict]:
 
 def print_bytes(cfg: Settings, dtype_bytes: int = 4) -> None:
     """What the counted collectives send per step on a ring and on gloo (formula; the CPU cannot show NVLink)."""
+    table = []
     for sp in (False, True):
         ring = tp.activation_bytes_per_step(N_LAYER, cfg.batch, SEQ_LEN, D_MODEL, cfg.nproc, sp, dtype_bytes)
         gloo = tp.gloo_bytes_per_step(N_LAYER, cfg.batch, SEQ_LEN, D_MODEL, cfg.nproc, sp, dtype_bytes)
-        print(f"{'TP+SP' if sp else 'TP':6s} layers' activations per rank per step: ring (NCCL) "
-              f"{ring / 2**20:6.2f} MiB, "
-              f"gloo {gloo / 2**20:6.2f} MiB")
+        table.append(columns(((6, "<"),), "TP+SP" if sp else "TP",
+                             _("layers' activations per rank per step: ring (NCCL) {ring} MiB, gloo {gloo} MiB",
+                               ring=f"{ring / 2**20:6.2f}", gloo=f"{gloo / 2**20:6.2f}")))
+    show(Lines(table))
 
 
 # ---------------------------------------------------------------------------------------- 5. DETAIL, 2-D
@@ -276,11 +289,15 @@ def print_roles(run) -> None:
     """Each rank of the 2-D run: its data shard (dp) and its tensor shard (tp)."""
     by_rank = run.results_by_rank()
     dp, tp_degree = by_rank[0]["dp_degree"], by_rank[0]["tp_degree"]
+    table = []
     for rank, r in sorted(by_rank.items()):
         rows, q_heads, t = D_MODEL // tp_degree, HEADS // tp_degree, r["tp_rank"]
-        print(f"rank {rank}: dp rank {r['dp_rank']} -> sequences {r['dp_rank']}::{dp} of each global batch; "
-              f"tp rank {t} -> heads {t * q_heads}-{(t + 1) * q_heads - 1}, q.weight rows {t * rows}-"
-              f"{(t + 1) * rows - 1}, of which FSDP2 stores {r['shard_shapes']['blocks.0.attn.q.weight'][0]} here")
+        table.append(line(_("rank {rank}: dp rank {dp_rank} -> sequences {dp_rank}::{dp} of each global batch; tp "
+                            "rank {t} -> heads {heads}, q.weight rows {rows}, of which FSDP2 stores {stored} here",
+                            rank=rank, dp_rank=r["dp_rank"], dp=dp, t=t,
+                            heads=f"{t * q_heads}-{(t + 1) * q_heads - 1}", rows=f"{t * rows}-{(t + 1) * rows - 1}",
+                            stored=r["shard_shapes"]["blocks.0.attn.q.weight"][0])))
+    show(Lines(table))
 
 
 def claim_2d(runs: dict, curves: dict) -> None:
