@@ -81,7 +81,9 @@ class Traffic:
             real = getattr(ProcessGroup, name, None)
             if real is None:
                 continue
-            self._saved[name] = real
+            # restored as the class held it: pybind11 keeps a method as an ``instancemethod`` descriptor, and
+            # getattr on the class returns the bare function, which set back would no longer bind ``self``
+            self._saved[name] = ProcessGroup.__dict__[name]
 
             def wrapped(group, *args, _name=name, _real=real, **kwargs):
                 elements, size = _payload(_name, args)
