@@ -146,3 +146,7 @@ RULES.update(_PIPELINE_RULES)
 from .cp import RULES as _CP_RULES  # noqa: E402  (context parallelism: helpers/calc/cp.py)
 
 RULES.update(_CP_RULES)
+
+from .moe import RULES as _MOE_RULES  # noqa: E402  (mixture of experts, expert parallelism: helpers/calc/moe.py)
+
+RULES.update(_MOE_RULES)
