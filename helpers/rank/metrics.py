@@ -155,6 +155,30 @@ class TrainResult(TypedDict, total=False):
     cp_parity: dict           # CP: one step's loss and gradients (after the sync) against one process on the unsplit
                               # batch: {loss_gap, grad_gap, loss_floor, grad_floor (fp32 vs fp64 of that process),
                               # loss_bound, grad_bound, ok}; in the loss's units (nats) and the gradients'
+    moe_ep_degree: int        # MoE: ranks the experts are split over (course/gpt_moe.py --ep; dp_degree: their replicas)
+    moe_ep_rank: int          # MoE: this rank's place on the mesh's "ep" dimension (which experts it holds)
+    moe_experts: int          # MoE: experts per MoE layer, E (--experts)
+    moe_top_k: int            # MoE: experts each token is routed to, k (--top-k)
+    moe_capacity_factor: float  # MoE: an expert takes at most ceil(factor x tokens x k / E) of a rank's assignments
+    moe_aux_weight: float     # MoE: weight of the load-balancing loss E x sum_e f_e P_e in the training loss
+    moe_local_experts: list   # MoE: the global ids of the experts this rank holds (the same in every layer)
+    moe_per_step: dict        # MoE: this rank's MoE layers per training step, every layer summed (moe.STATS): {sent_bytes:
+                              # {"dispatch"|"combine": {"forward"|"backward": bytes to other ranks}},
+                              # count_bytes (the per-expert counts exchanged, bytes), tokens_per_expert (list, E: this
+                              # rank's assignments per expert before dropping), processed ({expert id: rows its expert
+                              # computed here}), dropped (assignments over capacity), rows: {sent, received}: token
+                              # rows to / from other ranks in the forward dispatch}
+    moe_formula: dict         # MoE: helpers.calc.moe.measured_bytes_per_layer from this rank's rows: the bytes sent_bytes
+                              # must equal, {"dispatch"|"combine": {"forward"|"backward": bytes}} per step
+    moe_uniform: dict         # MoE: helpers.calc.moe.uniform_bytes_per_layer x n_layer: the same bytes under uniform
+                              # routing and no drops ((ep-1)/ep of the tokens x k leave the rank)
+    moe_params: dict          # MoE: helpers.calc.moe.parameters: {dense, total (every expert), active (k experts per
+                              # token), per_rank (E / ep experts: what this rank holds)}, parameters
+    moe_grad_norms: dict      # MoE: after the parity step's sync, L2 norm of this rank's gradients: {"dense": of the
+                              # replicated parameters, "experts": {expert id: of that expert's}}: dense equal on every
+                              # rank, an expert's equal on its dp replicas
+    moe_parity: dict          # MoE: one step's loss and gradients (after the sync) against one process holding every
+                              # expert on the whole global batch (capacity per rank-sized group): as cp_parity
 RUN_DIR_ENV = "HELPERS_RUN_DIR"
 
 
