@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+from .flags import divisors, whole
 
 
 def shard_size_problem(world_size: int, shard_size: int | None) -> str | None:
@@ -54,23 +52,14 @@ def divides_world_size(flag: str, value: str, world_size: int, flags: Mapping[st
         return f"{flag} must be a whole number of ranks, got {value!r}"
     if not 1 <= size <= world_size or world_size % size:
         return (f"{flag} {size} does not divide the {world_size} ranks into equal groups (groups of that size "
-                f"must hold WORLD_SIZE ranks exactly); use one of {_divisors(world_size)}")
+                f"must hold WORLD_SIZE ranks exactly); use one of {divisors(world_size)}")
     return None
-
-
-def _whole(flag: str, value) -> int | str:
-    """``value`` as a whole number >= 1, or the problem."""
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        return f"{flag} must be a whole number, got {value!r}"
-    return number if number >= 1 else f"{flag} must be at least 1, got {number}"
 
 
 def _tp_degree(flags: Mapping[str, str] | None, world_size: int) -> int | None:
     """The tensor-parallel degree of the command line: ``--tp``, else every rank; None when --tp is no number
     (its own rule reports that)."""
-    tp = _whole("--tp", (flags or {}).get("--tp", world_size))
+    tp = whole("--tp", (flags or {}).get("--tp", world_size))
     return tp if isinstance(tp, int) else None
 
 
@@ -84,14 +73,14 @@ def heads_split_over_tp(flag: str, value: str, world_size: int, flags: Mapping[s
         >>> heads_split_over_tp("--n-head", "6", 4, {"--tp": "4"})
         '--n-head 6 heads do not split over --tp 4 ranks (...); use --n-head 4, 8, 12, ... or --tp 1, 2'
     """
-    heads = _whole(flag, value)
+    heads = whole(flag, value)
     tp = _tp_degree(flags, world_size)
     if isinstance(heads, str) or tp is None:
         return heads if isinstance(heads, str) else None
     if heads % tp:
         return (f"{flag} {heads} heads do not split over --tp {tp} ranks (column-parallel q/k/v give each rank whole "
                 f"heads: heads / tp must be whole); use {flag} {tp}, {2 * tp}, {3 * tp}, ... or --tp "
-                f"{', '.join(str(d) for d in range(1, world_size + 1) if heads % d == 0 and world_size % d == 0)}")
+                f"{divisors(world_size, lambda d: heads % d == 0)}")
     return None
 
 
@@ -106,7 +95,7 @@ def sequence_splits_over_tp(flag: str, value: str, world_size: int,
         >>> sequence_splits_over_tp("--seq-len", "64", 3, {"--sp": ""})
         '--seq-len 64 does not split over --tp 3 ranks under --sp (...); use --seq-len 60, 63, 66, ... or drop --sp'
     """
-    length = _whole(flag, value)
+    length = whole(flag, value)
     tp = _tp_degree(flags, world_size)
     if isinstance(length, str) or tp is None or "--sp" not in (flags or {}):
         return length if isinstance(length, str) else None

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from statistics import median
 
+from .flags import divisors, whole
+
 # --schedule -> (torch class in torch.distributed.pipelining, stages per rank, placement of a rank's stages)
 #   "loop": rank r holds stages r, r + p, ... (Megatron's interleaving); "v": rank r holds r and 2p - 1 - r
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -195,17 +197,9 @@ def replay(actions: Sequence[Mapping], n_stages: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- launch rules
 
 
-def _whole(flag: str, value) -> int | str:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        return f"{flag} must be a whole number, got {value!r}"
-    return number if number >= 1 else f"{flag} must be at least 1, got {number}"
-
-
 def _pp(flags: Mapping[str, str], world_size: int) -> int:
     """The pipeline ranks: ``--pp`` (a 3-D mesh), else every rank; 1 when --pp is no number (its rule says so)."""
-    pp = _whole("--pp", flags.get("--pp", world_size))
+    pp = whole("--pp", flags.get("--pp", world_size))
     return pp if isinstance(pp, int) else 1
 
 
@@ -224,7 +218,7 @@ def layers_split_over_stages(flag: str, value: str, world_size: int,
         >>> print(layers_split_over_stages("--n-layer", "6", 4, {}))
         --n-layer 6 does not split into 4 equal pipeline stages (1 per rank on 4 pipeline ranks); use --n-layer 4, ...
     """
-    layers = _whole(flag, value)
+    layers = whole(flag, value)
     stages = _stages(flags or {}, world_size)
     if isinstance(layers, str) or stages is None:
         return layers if isinstance(layers, str) else None
@@ -246,8 +240,8 @@ def microbatches_split_batch(flag: str, value: str, world_size: int,
         >>> microbatches_split_batch("--microbatches", "3", 2, {"--batch-size": "8"})
         '--microbatches 3 does not divide --batch-size 8 into equal micro-batches; use --microbatches 1, 2, 4, 8'
     """
-    m = _whole(flag, value)
-    batch = _whole("--batch-size", (flags or {}).get("--batch-size", "8"))
+    m = whole(flag, value)
+    batch = whole("--batch-size", (flags or {}).get("--batch-size", "8"))
     if isinstance(m, str) or isinstance(batch, str):
         return m if isinstance(m, str) else None
     schedule = (flags or {}).get("--schedule", "1f1b")
@@ -257,7 +251,7 @@ def microbatches_split_batch(flag: str, value: str, world_size: int,
         return (f"{flag} {m}: --schedule {schedule} needs at least as many micro-batches as stages ({need} on "
                 f"{pp} pipeline ranks; torch refuses fewer); use {flag} {need} or more, or --schedule gpipe")
     if batch % m:
-        fits = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        fits = divisors(batch)
         return (f"{flag} {m} does not divide --batch-size {batch} into equal micro-batches; use {flag} {fits}")
     return None
 
@@ -271,12 +265,12 @@ def pp_tp_tile_world(flag: str, value: str, world_size: int, flags: Mapping[str,
         >>> pp_tp_tile_world("--pp", "3", 8, {"--tp": "2"})
         '--pp 3 x --tp 2 = 6 ranks per replica do not tile the 8 ranks (dp = 8 / 6); use --pp 1, 2, 4 with --tp 2'
     """
-    pp, tp = _whole(flag, value), _whole("--tp", (flags or {}).get("--tp", "1"))
+    pp, tp = whole(flag, value), whole("--tp", (flags or {}).get("--tp", "1"))
     if isinstance(pp, str) or isinstance(tp, str):
         return pp if isinstance(pp, str) else None
     if world_size % (pp * tp):
-        fits = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % (d * tp) == 0)
-        tps = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        fits = divisors(world_size, lambda d: world_size % (d * tp) == 0)
+        tps = divisors(world_size)
         return (f"{flag} {pp} x --tp {tp} = {pp * tp} ranks per replica do not tile the {world_size} ranks (dp = "
                 f"{world_size} / {pp * tp}); " + (f"use {flag} {fits} with --tp {tp}" if fits else
                                                   f"use --tp {tps}, then a --pp that divides what is left"))
