@@ -80,8 +80,7 @@ def train(args, world_size, device):
     mesh = init_device_mesh(device.type, (world_size // args.cp, args.cp), mesh_dim_names=("dp", "cp"))
     dp, dp_rank, cp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     cp_group, dp_group = mesh.get_group("cp"), mesh.get_group("dp")
-    if args.attn == "torch":
-        cp.torch_context_parallel(mesh["cp"], device)  # refuses: see its docstring
+    torch_cp = args.attn == "torch" and cp.torch_context_parallel(mesh["cp"], device)  # on CPU: stops, with why
     train_ds, test_ds, info = lm.datasets(args)
     sampler = DistributedSampler(train_ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=args.seed,
                                  drop_last=True)  # one data shard per dp rank: the CP ranks of a group share it
@@ -92,11 +91,14 @@ def train(args, world_size, device):
     positions = cp.layout_indices(args.layout, args.seq_len, args.cp, cp_rank).to(device)  # of every sequence
     attend = {"ring": partial(cp.ring_attention, group=cp_group, layout=args.layout),
               "ulysses": partial(cp.ulysses_attention, group=cp_group, layout=args.layout,
-                                 attention=args.attention)}[args.attn]
+                                 attention=args.attention), "torch": None}[args.attn]
 
     def step_loss(x, y):  # this rank's positions of the sequences x: forward, then backward of its share
-        _, loss = cp.gpt_forward(model, x[:, positions], positions, y[:, positions], attend)
-        (loss / args.cp).backward()  # the loss is the mean over all cp ranks' positions
+        if torch_cp:  # torch shards x, y and the positions itself (load-balanced) and runs SDPA as its own ring
+            loss = cp.torch_cp_backward(model, x, y, mesh["cp"])
+        else:
+            _, loss = cp.gpt_forward(model, x[:, positions], positions, y[:, positions], attend)
+            (loss / args.cp).backward()  # the loss is the mean over all cp ranks' positions
         sync_grads(model, cp_group, dp_group, dp)
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # the step's loss over the global batch: what one process would print
@@ -111,6 +113,8 @@ def train(args, world_size, device):
     refs = {dt: cp.reference_step(model, xs, ys, dt) for dt in (torch.float32, torch.float64)}
     parity = cp.parity_check(probe_loss, cp.flat_grads(model), refs, next(model.parameters()).dtype)
     optimizer.zero_grad(set_to_none=True)
+    act_bytes = None if torch_cp else cp.forward_activation_bytes(model, lambda: cp.gpt_forward(  # ids made inside
+        model, xs[mine][:, positions], positions + 0, ys[mine][:, positions], attend))
     cp.STATS.reset()  # count the training steps only
 
     meter = harness.Meter(args.steps, device, world_size, samples_per_step=args.batch_size * dp,
@@ -127,20 +131,19 @@ def train(args, world_size, device):
     run = meter.finish()
 
     per_step = cp.STATS.per_step(meter.done)
-    e = next(model.parameters()).element_size()
-    formula = cp_calc.bytes_per_step(args.attn, args.n_layer, args.batch_size, args.seq_len, args.d_model, args.cp, e)
-    work = (cp_calc.causal_work_pairs(args.seq_len, args.cp, args.layout) if args.attn == "ring" else
-            cp_calc.ulysses_work_pairs(args.seq_len, args.cp))[cp_rank]
-    formula["work_pairs"] = work * args.n_layer * args.batch_size * args.n_head
+    formula = None if torch_cp else cp_calc.rank_per_step(args.attn, args.layout, args.n_layer, args.batch_size,
+                                                          args.seq_len, args.d_model, args.n_head, args.cp, cp_rank,
+                                                          next(model.parameters()).element_size())
     test_loss = lm.evaluate(model, test_ds, device)  # the whole model is on every rank: plain data-parallel scoring
     log0(f"test loss {test_loss:.3f} nats/char (unigram baseline {info.unigram_loss:.3f}) | "
          f"{run['train_seconds']:.1f} s training | {meter.throughput_line()}")
     log0(f"parity vs one process: loss gap {parity['loss_gap']:.2e} (bound {parity['loss_bound']:.2e}), grad gap "
-         f"{parity['grad_gap']:.2e} (bound {parity['grad_bound']:.2e}) ok={parity['ok']} | bytes sent per step, "
-         f"rank 0: forward {per_step['forward']['sent_bytes']:.0f} (formula {formula['forward']:.0f}), backward "
-         f"{per_step['backward']['sent_bytes']:.0f} (formula {formula['backward']:.0f})")
+         f"{parity['grad_gap']:.2e} (bound {parity['grad_bound']:.2e}) ok={parity['ok']} | " + (
+             "torch's ring: its bytes are not counted" if torch_cp else "bytes sent per step, rank 0: forward "
+             f"{per_step['forward']['sent_bytes']:.0f} (formula {formula['forward']:.0f}), backward "
+             f"{per_step['backward']['sent_bytes']:.0f} (formula {formula['backward']:.0f})"))
     meter.rep.result(dp_rank=dp_rank, cp_rank=cp_rank, cp_positions=positions.tolist(), cp_per_step=per_step,
-                     cp_formula=formula, cp_parity=parity)  # every rank
+                     cp_formula=formula, cp_parity=parity, cp_act_bytes=act_bytes)  # every rank
     meter.report(framework="cp", test_loss=test_loss, unigram_loss=info.unigram_loss, vocab_size=info.vocab_size,
                  dataset=info.name, params=params, global_batch=args.batch_size * dp, gpt=model.cfg.as_dict(),
                  dtype=args.dtype, cp_degree=args.cp, dp_degree=dp, cp_attention=args.attn, cp_layout=args.layout)

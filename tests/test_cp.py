@@ -48,7 +48,13 @@ def test_contiguous_causal_work_grows_with_the_rank_and_zigzag_is_balanced_with_
 def test_activations_per_rank_are_chapter_08s_formula_at_s_over_w():
     from helpers.calc.activations import layer_bytes
 
-    assert calc.activation_bytes_per_rank(48, 8, 96, 12, 4) == layer_bytes(12, 8, 96, 12, "fp32", "sdpa")
+    ring = calc.activation_bytes_per_rank(48, 8, 96, 12, 4, n_layer=2, vocab=29)
+    assert ring["layers"] == 2 * layer_bytes(12, 8, 96, 12, "fp32", "sdpa")
+    # Ulysses' attention sees the whole sequence for 12 / 4 heads: its s^2 softmax divides by cp, not cp^2
+    terms = calc.layer_terms_per_rank(48, 8, 96, 12, 4, attention="ulysses")
+    assert terms["softmax output (a / cp heads, whole sequence)"] == 4 * 3 * 48 * 48 * 8 and "logsumexp" not in terms
+    assert calc.layer_terms_per_rank(48, 8, 96, 12, 4, attention="ulysses", core="sdpa") == \
+        calc.layer_terms_per_rank(48, 8, 96, 12, 4)
     with pytest.raises(ValueError, match="does not split"):
         calc.ring_bytes_per_layer(8, 50, 96, 4)
 

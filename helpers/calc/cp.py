@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .activations import layer_bytes
+from .activations import head_terms, layer_terms
+from .flags import divisors, whole
 
 LAYOUTS = ("zigzag", "contiguous")
 ATTENTIONS = ("ring", "ulysses")
@@ -72,6 +73,15 @@ def bytes_per_step(attention: str, n_layer: int, b: int, s: int, d_model: int, c
     return {phase: n_layer * v for phase, v in per.items()}
 
 
+def rank_per_step(attention: str, layout: str, n_layer: int, b: int, s: int, d_model: int, heads: int, cp: int,
+                  cp_rank: int, bytes_per_element: int = 4) -> dict[str, float]:
+    """What CP rank ``cp_rank`` sends per training step (``forward``, ``backward``: :func:`bytes_per_step`) and the
+    query-key pairs its forward attention computes (``work_pairs``, over the batch, the heads and the layers)."""
+    out = bytes_per_step(attention, n_layer, b, s, d_model, cp, bytes_per_element)
+    work = causal_work_pairs(s, cp, layout) if attention == "ring" else ulysses_work_pairs(s, cp)
+    return {**out, "work_pairs": work[cp_rank] * n_layer * b * heads}
+
+
 def causal_work_pairs(s: int, cp: int, layout: str) -> list[int]:
     """Query-key pairs each ring rank computes per sequence and head under the causal mask (index: CP rank).
 
@@ -101,31 +111,49 @@ def attention_flops(pairs: float, head_dim: int) -> float:
     return 4 * head_dim * pairs
 
 
-def activation_bytes_per_rank(s: int, b: int, h: int, a: int, cp: int, dtype: str = "fp32",
-                              attention: str = "sdpa") -> float:
-    """One layer's activations on one CP rank: chapter 08's :func:`helpers.calc.activations.layer_bytes` at ``s / cp``
-    positions. "sdpa": what the ring keeps (q, k, v, the output and its log-sum-exp, no s x s scores)."""
-    return layer_bytes(s // cp, b, h, a, dtype, attention)
+def layer_terms_per_rank(s: int, b: int, h: int, a: int, cp: int, dtype: str = "fp32", attention: str = "ring",
+                         core: str = "math") -> dict:
+    """One layer's activations on one CP rank, by term: chapter 08's :func:`helpers.calc.activations.layer_terms` at
+    ``s / cp`` positions. "ring" keeps what a flash kernel keeps (q, k, v, the output and its log-sum-exp, never an
+    s x s block: each is used and dropped). "ulysses" runs the model's own attention ``core`` over the whole sequence
+    for ``a / cp`` heads: with "math" it keeps their softmax output, ``e (a / cp) s^2 b``, and the causal mask
+    (``s^2`` bools): the s^2 term divides by cp, not by cp^2; with "sdpa", the log-sum-exp instead."""
+    n = s // cp
+    terms = layer_terms(n, b, h, a, dtype, "sdpa")
+    if attention == "ring" or core == "sdpa":
+        return terms
+    if attention != "ulysses":
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    e = layer_terms(1, 1, 1, 1, dtype, "math", "full")["block input"]  # bytes per element
+    del terms["logsumexp"]
+    return {**terms, "softmax output (a / cp heads, whole sequence)": e * a // cp * s * s * b, "causal mask": s * s}
+
+
+def activation_bytes_per_rank(s: int, b: int, h: int, a: int, cp: int, n_layer: int, vocab: int, dtype: str = "fp32",
+                              attention: str = "ring", core: str = "math") -> dict:
+    """What one CP rank holds in activations when its forward has just finished: ``layers`` (n_layer x
+    :func:`layer_terms_per_rank`), ``head`` (chapter 08's :func:`helpers.calc.activations.head_terms` at
+    ``s / cp``: the final LayerNorm, this rank's logits and their log_softmax, its token ids) and ``total``.
+
+        >>> activation_bytes_per_rank(48, 8, 96, 12, 4, 2, 29)["total"] * 4 == activation_bytes_per_rank(
+        ...     48, 8, 96, 12, 1, 2, 29)["total"]
+        True
+    """
+    layers = n_layer * sum(layer_terms_per_rank(s, b, h, a, cp, dtype, attention, core).values())
+    head = sum(head_terms(s // cp, b, h, vocab, dtype).values())
+    return {"layers": layers, "head": head, "total": layers + head}
 
 
 # ---------------------------------------------------------------------------------------------- degree rules
-
-
-def _whole(flag: str, value) -> int | str:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        return f"{flag} must be a whole number, got {value!r}"
-    return number if number >= 1 else f"{flag} must be at least 1, got {number}"
 
 
 def cp_degree(flags: Mapping[str, str] | None, world_size: int) -> int | None:
     """The CP degree of a command line: ``--cp``, else ``world_size / --dp``, else every rank (None: not whole)."""
     flags = flags or {}
     if "--cp" in flags:
-        cp = _whole("--cp", flags["--cp"])
+        cp = whole("--cp", flags["--cp"])
         return cp if isinstance(cp, int) else None
-    dp = _whole("--dp", flags.get("--dp", "1"))
+    dp = whole("--dp", flags.get("--dp", "1"))
     return world_size // dp if isinstance(dp, int) and world_size % dp == 0 else None
 
 
@@ -137,13 +165,13 @@ def cp_dp_tile_world(flag: str, value: str, world_size: int, flags: Mapping[str,
         >>> cp_dp_tile_world("--dp", "2", 4, {"--cp": "4"})
         '--dp 2 x --cp 4 = 8 ranks, but the job has 4; use --dp 1 with --cp 4, or drop one of them'
     """
-    dp = _whole(flag, value)
+    dp = whole(flag, value)
     if isinstance(dp, str):
         return dp
     cp = cp_degree(flags, world_size) if "--cp" in (flags or {}) else None
     if cp is None:
         if world_size % dp:
-            fits = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            fits = divisors(world_size)
             return f"{flag} {dp} does not divide the {world_size} ranks (cp = {world_size} / {dp}); use {flag} {fits}"
         return None
     if dp * cp != world_size:
@@ -163,7 +191,7 @@ def sequence_splits_over_cp(flag: str, value: str, world_size: int,
         >>> sequence_splits_over_cp("--seq-len", "60", 4, {"--layout": "zigzag"})
         '--seq-len 60 does not split into 2 x --cp 4 = 8 zigzag chunks (...); use --seq-len 56, 64, ... or --layout ...'
     """
-    length = _whole(flag, value)
+    length = whole(flag, value)
     cp = cp_degree(flags, world_size)
     if isinstance(length, str) or cp is None:
         return length if isinstance(length, str) else None
@@ -185,7 +213,7 @@ def heads_split_over_cp(flag: str, value: str, world_size: int, flags: Mapping[s
         >>> heads_split_over_cp("--n-head", "2", 4, {"--attn": "ulysses"})
         '--n-head 2 heads do not split over --cp 4 ranks under --attn ulysses (...); use --n-head 4, 8, ... or ...'
     """
-    heads = _whole(flag, value)
+    heads = whole(flag, value)
     cp = cp_degree(flags, world_size)
     if isinstance(heads, str) or cp is None or (flags or {}).get("--attn") != "ulysses":
         return heads if isinstance(heads, str) else None

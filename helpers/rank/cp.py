@@ -26,6 +26,7 @@ Example (inside a rank; q, k, v: (batch, heads, s / W, head_dim), this rank's po
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import re
 import time
@@ -150,6 +151,17 @@ def block_attention(q, k, v, q_pos, k_pos, causal: bool = True):
     s = _scores(q[..., rows, :], k[..., cols, :], q_pos[rows], k_pos[cols], masked, 1.0 / math.sqrt(q.size(-1)))
     lse = torch.logsumexp(s, dim=-1)
     return rows, torch.exp(s - lse.unsqueeze(-1)) @ v[..., cols, :], lse, s.size(-2) * s.size(-1)
+
+
+def block_softmax(q, k, v, q_pos, k_pos):
+    """Causal attention of the queries ``q`` (at positions ``q_pos``) over ONE block of keys and values alone (at
+    ``k_pos``): ``(block_out, block_lse)`` for every query row, the softmax over this block's visible keys and the
+    log-sum-exp of their scores. A row that sees no key of the block gets ``block_out`` 0 and ``block_lse`` -inf,
+    which a log-sum-exp merge weighs by e^-inf = 0. What notebook 12's exercise gives the learner to merge."""
+    s = _scores(q, k, q_pos, k_pos, True, 1.0 / math.sqrt(q.size(-1)))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # a row of -inf only: e^(-inf + inf) is nan, there 0
+    return p @ v, lse
 
 
 def merge_blocks(out, lse, block_out, block_lse):
@@ -359,16 +371,33 @@ def gpt_forward(model, idx, positions, targets, attend):
     return logits, F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten())
 
 
+def forward_activation_bytes(model, forward) -> int:
+    """What MemTracker (``torch.distributed._tools.mem_tracker``, chapter 08's tool) labels activations on this rank
+    right after ``forward()`` has run, the model's parameters tracked as such: everything the forward keeps for the
+    backward, plus its outputs. ``forward`` should make its own inputs (this rank's token ids), so they count too;
+    nothing is backpropagated. (Without the tracker there are no such cycles: training frees each block on time.)"""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        kept = forward()
+        gc.collect()  # MemTracker's dispatch mode leaves reference cycles around c10d's p2p calls, which hold the
+        snapshot = tracker.get_tracker_snapshot("current")  # ring's received blocks until the collector runs
+    del kept
+    return sum(device[_MemRefType.ACT] for device in snapshot.values())
+
+
 def flat_grads(model) -> torch.Tensor:
     """Every parameter's gradient in one vector (parameter order), for comparing two models' gradients."""
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def torch_context_parallel(cp_mesh, device) -> None:
-    """``--attn torch``: try torch's own ``context_parallel`` (torch.distributed.tensor.experimental) on one causal
-    SDPA call. It has sharding strategies for SDPA's CUDA kernels only; on CPU the call reaches
-    ``_scaled_dot_product_flash_attention_for_cpu`` and fails deep in DTensor's dispatch: refuse with that reason.
-    Where it works (CUDA) this script does not train through it yet: say so rather than pretend."""
+def torch_context_parallel(cp_mesh, device) -> bool:
+    """``--attn torch``: torch's own ``context_parallel`` (torch.distributed.tensor.experimental) on one causal SDPA
+    call first. It has sharding strategies for SDPA's CUDA kernels only; on CPU the call reaches
+    ``_scaled_dot_product_flash_attention_for_cpu`` and fails deep in DTensor's dispatch: stop with that reason. Where
+    it runs (CUDA), True: train through :func:`torch_cp_backward`."""
     from torch.distributed.tensor.experimental import context_parallel
 
     q = torch.randn(1, 1, 2 * cp_mesh.size(), 8, device=device)
@@ -382,8 +411,24 @@ def torch_context_parallel(cp_mesh, device) -> None:
                            f"{kernel.group(0) if kernel else 'its math kernel'}, for which it has no sharding "
                            f"strategy ({type(e).__name__}). "
                            f"Use --attn ring or --attn ulysses on CPU.") from e
-    raise SystemExit("--attn torch: torch's context_parallel ran one causal SDPA call on this device; training the "
-                     "course GPT through it is not wired into this script yet: use --attn ring or --attn ulysses")
+    return True
+
+
+def torch_cp_backward(model, x, y, cp_mesh) -> torch.Tensor:
+    """One forward and backward of the course GPT under torch's ``context_parallel`` (GPUs only: see
+    :func:`torch_context_parallel`). It shards the token ids, the targets and the positions along the sequence in
+    place (its load balancer gives each rank an early and a late chunk, as zig-zag does) and runs every causal SDPA
+    call as its own ring; this rank's share of the loss is backpropagated inside the context, as torch requires.
+    Returns this rank's mean loss. (Written to torch's documented use; this course's CPU machines cannot run it.)"""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    x, y = x.clone(), y.clone()  # sharded in place: keep the caller's batch whole
+    pos = torch.arange(x.size(1), device=x.device)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    with context_parallel(cp_mesh, buffers=[x, y, pos], buffer_seq_dims=[1, 1, 0], no_restore_buffers={x, y, pos}):
+        _, loss = gpt_forward(model, x, pos, y, sdpa)
+        (loss / cp_mesh.size()).backward()
+    return loss
 
 
 def reference_step(model, x, y, dtype) -> tuple[float, torch.Tensor]:

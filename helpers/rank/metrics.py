@@ -151,7 +151,10 @@ class TrainResult(TypedDict, total=False):
                               # recv_bytes, blocks_computed, blocks_skipped, work_pairs (query-key pairs computed, x
                               # batch x heads), compute_s (seconds)}} (helpers.rank.cp.STATS)
     cp_formula: dict          # CP: helpers.calc.cp for this rank per step: {"forward"|"backward": bytes sent,
-                              # "work_pairs": forward pairs x batch x heads}
+                              # "work_pairs": forward pairs x batch x heads} (None under --attn torch: not counted)
+    cp_act_bytes: int         # CP: bytes MemTracker labels activations on this rank right after one forward of
+                              # its positions (before any backward): saved for the backward, plus the logits and loss
+                              # (None under --attn torch)
     cp_parity: dict           # CP: one step's loss and gradients (after the sync) against one process on the unsplit
                               # batch: {loss_gap, grad_gap, loss_floor, grad_floor (fp32 vs fp64 of that process),
                               # loss_bound, grad_bound, ok}; in the loss's units (nats) and the gradients'

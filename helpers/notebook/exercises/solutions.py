@@ -14,8 +14,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
+from helpers.rank.cp import block_softmax
+
 __all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config",
-           "zero1_train", "run_blocks", "column_row_linears", "one_f_one_b",
+           "zero1_train", "run_blocks", "column_row_linears", "one_f_one_b", "ring_step",
            "average_gradients"]
 
 
@@ -170,3 +172,13 @@ def average_gradients(model):
     flat /= dist.get_world_size()  # DDP averages
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
+
+
+def ring_step(q, k, v, q_pos, k_pos, out, lse):
+    if k_pos.min() > q_pos.max():  # every key after every query: no query sees this block
+        return out, lse
+    block_out, block_lse = block_softmax(q, k, v, q_pos, k_pos)  # this block alone
+    m = torch.maximum(lse, block_lse)  # the running max: every exponent below is <= 0
+    new = m + torch.log(torch.exp(lse - m) + torch.exp(block_lse - m))
+    out = out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
+    return out, new
