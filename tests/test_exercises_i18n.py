@@ -41,14 +41,16 @@ def test_every_message_is_marked_and_found():
     sources = translate.exercise_sources()
     modules = {s.occurrence.split(":")[0] for s in sources}
     checkers = {"__init__.py", "env.py", "faults.py", "fsdp.py", "practice.py", "ranks.py", "write.py",
-                "write_zero.py", "zero.py", "write_tp.py", "write_gpt.py", "write_pp.py", "write_trace.py"}
+                "write_zero.py", "zero.py", "write_tp.py", "write_gpt.py", "write_pp.py", "write_trace.py",
+                "write_cp.py"}
     # the checkers, then the widgets' labels and tables and notebook 00's verdict (translate.MARKED)
     assert modules == {f"helpers/notebook/exercises/{name}" for name in checkers} | {
         "helpers/notebook/widgets.py", "helpers/notebook/config_builder.py", "helpers/notebook/step_calculator.py",
         "helpers/notebook/env.py",
         "helpers/notebook/lessons/step.py", "helpers/notebook/lessons/comm_model.py",  # notebook 11's tables
         # notebooks 08, 09 and 10's tables and plot labels
-        *(f"helpers/notebook/lessons/{name}.py" for name in ("activations", "tp", "pipeline", "schedules", "layout"))}
+        *(f"helpers/notebook/lessons/{name}.py" for name in ("activations", "tp", "pipeline", "schedules", "layout")),
+        "helpers/notebook/lessons/cp.py"}  # notebook 12's tables and plot labels
     assert len({s.msgid for s in sources}) > 200
 
 
