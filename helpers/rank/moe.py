@@ -277,3 +277,24 @@ def reference_step(model, x, y, aux_weight: float, dtype, names) -> tuple[float,
     loss.backward()
     grads = dict(twin.named_parameters())
     return loss.item(), torch.cat([grads[n].grad.flatten() for n in names])
+
+
+def deepspeed_moe(d_model: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25, ep: int = 1):
+    """DeepSpeed's own MoE layer (``deepspeed.moe.layer.MoE``) in the course GPT's shapes: experts that are the GPT's
+    MLP, ``ep`` ranks of expert parallelism (its process groups are made on the first forward, from the world
+    deepspeed.init_distributed started), tokens over capacity dropped, no random token selection and no sampled
+    second expert, so its routing is deterministic like :class:`MoE`'s. Differences that remain: its capacity is
+    ``ceil(T / E x factor x k)`` with at least ``min_capacity`` (set to 0 here), its top-2 gates are renormalised to
+    sum to 1, and its forward returns ``(output, l_aux, exp_counts)``. On CPU (deepspeed 0.19.8, ``DS_ACCELERATOR=cpu``,
+    gloo) its forward and backward ran in one process and on 2 ranks with ``ep=2``; call
+    ``dist.destroy_process_group()`` before the rank exits (without it a rank aborted at exit: "terminate called
+    without an active exception").
+
+        layer = deepspeed_moe(96, 8, top_k=2, ep=2)
+        y, aux, counts = layer(x)                      # x: (batch, seq, 96)
+    """
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    return DeepSpeedMoE(hidden_size=d_model, expert=MLP(SimpleNamespace(d_model=d_model)), num_experts=experts,
+                        ep_size=ep, k=top_k, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                        min_capacity=0, drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False)
