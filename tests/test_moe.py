@@ -177,7 +177,8 @@ def test_ep_runs_match_one_process_and_send_what_the_formula_says(runs_root):
             assert r["moe_parity"]["ok"], (nproc, rank, r["moe_parity"])
             for x in ("dispatch", "combine"):
                 for phase in ("forward", "backward"):
-                    assert r["moe_per_step"]["sent_bytes"][x][phase] == r["moe_formula"][x][phase], (nproc, rank, x)
+                    sent, formula = r["moe_per_step"]["sent_bytes"][x][phase], r["moe_formula"][x][phase]
+                    assert sent == pytest.approx(formula, rel=1e-12), (nproc, rank, x, phase)  # both / steps
             assert sum(r["moe_per_step"]["tokens_per_expert"]) == 8 * 48 * 2  # batch x seq x k, one layer
         held = results[0]
         assert held["moe_params"]["total"] - held["moe_params"]["per_rank"] == (8 - 8 // nproc) * 8 * 96 * 96
