@@ -92,7 +92,8 @@ def parameters(dense: int, n_layer: int, d_model: int, experts: int, top_k: int,
         raise ValueError(f"{experts} experts do not split over ep {ep}")
     router, one = d_model * experts, expert_parameters(d_model)
     return {"dense": dense, "total": dense + n_layer * (router + experts * one),
-            "active": dense + n_layer * (router + top_k * one), "per_rank": dense + n_layer * (router + experts // ep * one)}
+            "active": dense + n_layer * (router + top_k * one),
+            "per_rank": dense + n_layer * (router + experts // ep * one)}
 
 
 def imbalance(load: Sequence[float]) -> float:
@@ -140,7 +141,7 @@ def experts_split_over_ep(flag: str, value: str, world_size: int, flags: Mapping
     """Rule ``"experts_split_over_ep"``: each EP rank holds ``experts / ep`` whole experts.
 
         >>> experts_split_over_ep("--experts", "6", 4, {})
-        '--experts 6 do not split over --ep 4 ranks (each EP rank holds experts / ep whole experts); use --experts 4, 8, 12, ... or --ep 1, 2'
+        '--experts 6 do not split over --ep 4 ranks (...); use --experts 4, 8, 12, ... or --ep 1, 2'
     """
     experts = whole(flag, value)
     ep = ep_degree(flags, world_size)
@@ -172,7 +173,7 @@ def capacity_factor_positive(flag: str, value: str, world_size: int, flags: Mapp
     """Rule ``"capacity_factor_positive"``: capacity = ceil(factor x T k / E) must be a positive number of slots.
 
         >>> capacity_factor_positive("--capacity-factor", "0", 4)
-        '--capacity-factor 0 leaves the experts no room (capacity = ceil(factor x tokens x k / experts)); use a number > 0, such as 1.25'
+        '--capacity-factor 0 leaves the experts no room (...); use a number > 0, such as 1.25'
     """
     try:
         factor = float(value)
