@@ -2,6 +2,8 @@
 measurements contradict the prose (fake runs built from the formulas, then broken). The refusals run in-process."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers.calc import cp as calc
@@ -53,6 +55,8 @@ def runs(w: int, **broken) -> dict:
 def test_runs_as_the_formulas_say_make_every_claim_true_at_every_offered_degree(w, capsys):
     cfg = lesson.resolve("smoke", 0, w)
     r = runs(w)
+    lesson.show_parity(r)
+    lesson.show_balance(r)
     lesson.claim_parity(r)
     lesson.claim_bytes(r, cfg)
     lesson.claim_balance(r, cfg)
@@ -60,6 +64,25 @@ def test_runs_as_the_formulas_say_make_every_claim_true_at_every_offered_degree(
     lesson.claim_2d(cp_run(2, dp=2))
     got = verdicts(capsys)
     assert len(got) == 5 and all(got.values()), got
+
+
+def test_what_compared_cells_print_does_not_depend_on_the_machine(capsys):
+    """nbval compares the claims' cells: a machine's rounding gaps and attention times (which differ from CI's) may
+    change only the masked ``(measured: ...)`` part of what they print; the tables that show them are not compared."""
+    cfg = lesson.resolve("smoke", 0, 4)
+
+    def printed(scale: float) -> str:
+        r = runs(4)
+        for run in r.values():
+            for rank in run.results_by_rank().values():
+                rank["cp_parity"].update(loss_gap=1e-7 * scale, grad_gap=1e-8 * scale)
+                rank["cp_per_step"]["forward"]["compute_s"] *= scale * (1 + rank["cp_rank"])
+        lesson.claim_parity(r)
+        lesson.claim_balance(r, cfg)
+        out = capsys.readouterr().out
+        return re.sub(r"\(measured: [^\n]*\)", "(measured: <MEASURED>)", out)  # tests/nbval_sanitize.cfg's
+
+    assert printed(1.0) == printed(3.7)
 
 
 def test_each_contradiction_prints_false(capsys):
