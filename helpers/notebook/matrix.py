@@ -36,10 +36,10 @@ ONCE = "once"  # build/matrix/once/: the notebooks that take no NPROC parameter
 DEFAULT_NPROCS = (1, 2, 3)
 # ...and the sharding chapters also at 4, where a shard is a quarter: DeepSpeed ZeRO (03), DDP against ZeRO (04),
 # FSDP2 (07), activation memory (08: DDP over a global batch of 24), tensor parallelism (09: 12 heads split over 1-4),
-# pipeline parallelism (10: 12 blocks in 1-4 stages), inside a step (11: its TP run splits 12 heads over 1-4)
+# pipeline parallelism (10: 12 blocks in 1-4 stages), inside a step (11: its TP run splits 12 heads over 1-4), context
+# parallelism (12: 48 positions and 12 heads over 1-4); expert parallelism (13) at the degrees that split 8 experts
 NPROCS = {"03": (1, 2, 3, 4), "04": (1, 2, 3, 4), "07": (1, 2, 3, 4), "08": (1, 2, 3, 4), "09": (1, 2, 3, 4),
-          "10": (1, 2, 3, 4), "11": (1, 2, 3, 4),
-          "12": (1, 2, 3, 4)}
+          "10": (1, 2, 3, 4), "11": (1, 2, 3, 4), "12": (1, 2, 3, 4), "13": (1, 2, 4)}
 
 # papermill injects a parameter under exactly the name it is given (`-p nproc 3` sets a variable `nproc` that the
 # notebooks never read, with only a logged warning), so the name is taken from the notebook's own parameters cell

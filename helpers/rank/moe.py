@@ -152,10 +152,11 @@ class MoE(nn.Module):
     """A mixture-of-experts feed-forward block: ``(batch, seq, d_model) -> (batch, seq, d_model)``; after each forward
     ``aux_loss`` holds the load-balancing loss. ``group`` None: every expert here, capacity per ``groups`` equal groups
     of the batch (split along the batch); a process group of W ranks: this rank holds experts ``[r E/W, (r+1) E/W)``
-    (``self.experts``, keyed by their global ids) and its own tokens are one group."""
+    (``self.experts``, keyed by their global ids) and its own tokens are one group. ``renormalize``: a token's gates
+    over its kept assignments rescaled to sum to 1 (DeepSpeed's and Mixtral's top-2; Switch and GShard do not)."""
 
     def __init__(self, d_model: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25, *, group=None,
-                 groups: int = 1):
+                 groups: int = 1, renormalize: bool = False):
         super().__init__()
         if experts % (dist.get_world_size(group) if group is not None else 1) or not 1 <= top_k <= experts:
             raise ValueError(f"{experts} experts, top-{top_k}, over the group: E % W == 0 and k <= E needed")
@@ -165,6 +166,7 @@ class MoE(nn.Module):
         shape = SimpleNamespace(d_model=d_model)  # the GPT's MLP reads only d_model
         self.experts = nn.ModuleDict({str(e): MLP(shape) for e in range(experts)})
         self.aux_loss = None
+        self.renormalize = renormalize  # DeepSpeed's top-2 rule: the kept gates of a token rescaled to sum to 1
 
     def keep_local(self) -> "MoE":
         """Drop the experts other ranks of ``self.group`` hold (after building all of them the same on every rank)."""
@@ -195,6 +197,9 @@ class MoE(nn.Module):
     def _group_forward(self, x):
         _, gates, ids, keep, routed, aux = route(self.router(x), self.top_k, self.capacity_factor)
         STATS.add_routing(routed, int((~keep).sum()))
+        if self.renormalize:
+            gates = gates * keep
+            gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
         tok, choice, expert = _sorted_assignments(ids, keep)
         if self.group is None:
             out = self._run_experts(x[tok], expert, list(range(self.n_experts)))
