@@ -8,15 +8,12 @@ processes. Nothing in memory survives, so everything needed to carry on is in th
 --snapshot-every steps: weights, optimizer and LR-scheduler state, step, position in the epoch's data order,
 RNG states. It is written atomically (a crash mid-write leaves the previous one intact) and on start every rank
 loads the newest, so on CPU the run ends bitwise equal to one that never crashed. On a cluster --snapshot-dir
-must be on a filesystem every node sees. FAULT_RANK=r FAULT_STEP=s: rank r exits abruptly after step s, once.
-At the end rank 0 measures the test accuracy on --test-size images (the same for a resumed run as for one that never
-crashed, since the weights are bitwise the same).
+must be on a filesystem every node sees. FAULT_RANK=r FAULT_STEP=s: rank r exits abruptly after step s, once
+(helpers/rank/faults.py). At the end rank 0 measures the test accuracy on --test-size images.
 """
 import itertools
 import os
 import random
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,6 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 from helpers.rank import harness
 from helpers.rank.checkpoint import latest_snapshot, load_snapshot, save_atomic, save_snapshot, state_dict_sha256
 from helpers.rank.devices import rank_device
+from helpers.rank.faults import init_attempt_process_group, maybe_inject_fault
 from helpers.rank.metrics import Reporter
 from helpers.rank.models import SimpleCNN
 from helpers.rank.runtime import end_rank, launched_ranks, log0
@@ -53,16 +51,6 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-def maybe_inject_fault(rank, step, snapshot_dir):
-    """Rank FAULT_RANK exits abruptly after step FAULT_STEP, once: the restarted attempt replays the step."""
-    marker = Path(snapshot_dir) / "fault_injected"  # "once" has to survive the restart, so it is a file
-    if os.environ.get("FAULT_RANK") != str(rank) or os.environ.get("FAULT_STEP") != str(step) or marker.exists():
-        return
-    marker.write_text(f"rank {rank} (pid {os.getpid()}) exited after step {step}\n")
-    print(f"FAULT INJECTED: rank {rank} exits after step {step}", flush=True)
-    os._exit(13)  # no exception, no cleanup: like a segfault or the OOM killer
-
-
 @record  # on a crash, torchrun's error file names the rank and holds its traceback
 def main():
     args = parse_args()
@@ -77,13 +65,7 @@ def main():
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (set before CUDA starts)
     device, backend = rank_device(local_rank)
-    # torchrun's agent keeps one TCPStore for the whole job, and after a restart the addresses the dead processes
-    # published are still in it: a new rank can read a dead peer's and fail ("Connection refused") or hang
-    # (pytorch issues 135712, 167288). So each attempt's keys go under their own prefix.
-    store, _, _ = next(dist.rendezvous("env://"))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = dist.PrefixStore(f"attempt_{restart_count}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    init_attempt_process_group(backend, rank, world_size, restart_count)  # the agent's store, a prefix per attempt
     try:
         train(args, rank, local_rank, world_size, device, restart_count)
     finally:
@@ -162,18 +144,16 @@ def train(args, rank, local_rank, world_size, device, restart_count):
         seen = 0
     meter.finish()
 
-    weights = model.module.state_dict()
-    digest = state_dict_sha256(weights)  # every rank reports it: the replicas must agree bit for bit
+    digest = state_dict_sha256(model.module.state_dict())  # every rank reports it: the replicas must agree bit for bit
     final = os.path.join(args.out_dir, "final_model.pt")
     if rank == 0:
-        save_atomic(weights, final)
+        save_atomic(model.module.state_dict(), final)
     accuracy = harness.evaluate(model.module, test_ds, device)
     dist.barrier()
     log0(f"done: {step} steps, resumed from {resumed_from}, restarts {restart_count}, sha256 {digest[:16]}")
     log0(f"test accuracy {accuracy:.4f} on {len(test_ds)} images")
     rep.result(final_params_sha256=digest, steps=step, resumed_from=resumed_from, restart_count=restart_count,
                world_size=world_size, checkpoint=final, dataset=info.name, test_accuracy=accuracy)
-
 
 
 if __name__ == "__main__":
