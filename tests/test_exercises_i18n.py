@@ -42,7 +42,7 @@ def test_every_message_is_marked_and_found():
     modules = {s.occurrence.split(":")[0] for s in sources}
     checkers = {"__init__.py", "env.py", "faults.py", "fsdp.py", "practice.py", "ranks.py", "write.py",
                 "write_zero.py", "zero.py", "write_tp.py", "write_gpt.py", "write_pp.py", "write_trace.py",
-                "write_cp.py"}
+                "write_cp.py", "write_moe.py"}
     # the checkers, then the widgets' labels and tables and notebook 00's verdict (translate.MARKED)
     assert modules == {f"helpers/notebook/exercises/{name}" for name in checkers} | {
         "helpers/notebook/widgets.py", "helpers/notebook/config_builder.py", "helpers/notebook/step_calculator.py",

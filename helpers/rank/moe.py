@@ -107,6 +107,14 @@ class _AllToAllV(torch.autograd.Function):
         return _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.exchange, "backward"), None, None, None, None
 
 
+def all_to_all_rows(x, send: list[int], recv: list[int], group=None, exchange: str = "dispatch"):
+    """The differentiable uneven all-to-all (what notebook 13's exercise uses): rows ``send[i]`` of ``x`` to rank i,
+    ``recv[i]`` rows from rank i; its backward sends each row's gradient back to the rank it came from. torch's own
+    ``torch.distributed.nn.functional.all_to_all_single`` does this too, but is deprecated in torch 2.14 (a
+    FutureWarning), and its replacement lives in the private ``torch.distributed._functional_collectives``."""
+    return _AllToAllV.apply(x, list(send), list(recv), group, exchange)
+
+
 # ---------------------------------------------------------------------------------------------- routing
 
 

@@ -15,10 +15,11 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers.rank.cp import block_softmax
+from helpers.rank.moe import all_to_all_rows
 
 __all__ = ["ring_all_reduce", "train", "train_step", "save_checkpoint", "load_checkpoint", "shard", "ds_config",
            "zero1_train", "run_blocks", "column_row_linears", "one_f_one_b", "ring_step",
-           "average_gradients"]
+           "average_gradients", "dispatch_combine"]
 
 
 def ring_all_reduce(tensor):
@@ -182,3 +183,19 @@ def ring_step(q, k, v, q_pos, k_pos, out, lse):
     new = m + torch.log(torch.exp(lse - m) + torch.exp(block_lse - m))
     out = out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)
     return out, new
+
+
+def dispatch_combine(rows, expert, n_experts, run_experts, group):
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    per = n_experts // world
+    kept = (expert >= 0).nonzero().flatten()
+    order = kept[torch.argsort(expert[kept], stable=True)]  # kept rows grouped by expert: by destination rank
+    counts = torch.bincount(expert[order], minlength=n_experts)
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts, group=group)  # [i * per + j]: rows rank i sends to my j-th expert
+    send, recv = counts.view(world, per).sum(1).tolist(), incoming.view(world, per).sum(1).tolist()
+    arrived = all_to_all_rows(rows[order], send, recv, group)  # differentiable: the gradients come back
+    ids = torch.arange(me * per, (me + 1) * per).repeat(world).repeat_interleave(incoming)
+    out = run_experts(arrived, ids)  # this rank's experts, on the rows that came
+    back = all_to_all_rows(out, recv, send, group)  # the outputs go home: the splits swapped
+    return torch.zeros_like(rows).index_add(0, order, back)  # token order; a dropped row stays 0
