@@ -185,14 +185,13 @@ def claim_floor_growth(fp32: list, fp64: list) -> None:
     """Why the floor is larger than notebook 09's: one process's fp32 - fp64 gap per step beside its loss, and the
     claim that where the gap grows more than 100-fold it does so no earlier than the first step whose loss rose."""
     gaps = [abs(a - b) for a, b in zip(fp32, fp64)]
-    show(Lines([line(_("one process, fp32 - fp64 per step: {gaps}", gaps=", ".join(
-        f"{g:.0e} (loss {l:.2f})" for g, l in zip(gaps, fp64))))]))
     jump = next((i for i, g in enumerate(gaps) if g > 100 * max(gaps[0], 1e-12)), None)
     rise = next((i for i in range(1, len(fp64)) if fp64[i] > fp64[i - 1]), None)
     claim("the gap between fp32 and fp64 grows more than 100-fold only from the first step whose loss rose (an "
           "unstable step amplifies rounding), or not at all", jump is None or (rise is not None and jump >= rise),
-          measured=(f"gap x{gaps[jump] / max(gaps[0], 1e-12):.0f} at step {jump + 1}, loss first rose at step "
-                    f"{rise + 1 if rise is not None else 'none'}") if jump is not None else "no 100-fold growth")
+          measured=", ".join(f"{g:.0e} (loss {l:.2f})" for g, l in zip(gaps, fp64)) + "; " + (
+              (f"gap x{gaps[jump] / max(gaps[0], 1e-12):.0f} at step {jump + 1}, loss first rose at step "
+               f"{rise + 1 if rise is not None else 'none'}") if jump is not None else "no 100-fold growth"))
 
 
 def show_stages(run, cfg: Settings) -> None:
