@@ -72,9 +72,76 @@ def column_row_linears(x, w1, w2):
     full2 = torch.cat(parts2[:rank] + [w2_local] + parts2[rank + 1:], 1)
     return F.gelu(x @ full1.T) @ full2.T, w1_local, w2_local
 """
+EMPTY_COLLECTIVES = """
+def column_row_linears(x, w1, w2):
+    import torch.nn.functional as F
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w1_local = torch.tensor_split(w1, world, 0)[rank].clone().requires_grad_()
+    w2_local = torch.tensor_split(w2, world, 1)[rank].clone().requires_grad_()
+    rows = torch.tensor_split(torch.arange(w1.shape[0]), world)[rank]
+    full1 = torch.cat([w1[:rows[0]], w1_local, w1[rows[-1] + 1:]])
+    full2 = torch.cat([w2[:, :rows[0]], w2_local, w2[:, rows[-1] + 1:]], 1)
+
+    class Dummy(torch.autograd.Function):  # an all-reduce of the right size each way, carrying nothing
+        @staticmethod
+        def forward(ctx, y):
+            dist.all_reduce(torch.zeros_like(y))
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            dist.all_reduce(torch.zeros(x.shape))
+            return grad
+
+    return Dummy.apply(F.gelu(x @ full1.T) @ full2.T), w1_local, w2_local
+"""
+PARTIAL_DISCARDED = SOLUTION.replace(
+    "    y = g.apply(F.gelu(f.apply(x) @ w1_local.T) @ w2_local.T)\n",
+    "    honest = g.apply(F.gelu(f.apply(x) @ w1_local.T) @ w2_local.T)  # the right traffic, times 0 below\n"
+    "    rows = torch.tensor_split(torch.arange(w1.shape[0]), world)[rank]\n"
+    "    full1 = torch.cat([w1[:rows[0]], w1_local, w1[rows[-1] + 1:]])\n"
+    "    full2 = torch.cat([w2[:, :rows[0]], w2_local, w2[:, rows[-1] + 1:]], 1)\n"
+    "    y = F.gelu(x @ full1.T) @ full2.T + 0 * honest\n")
+FAKED_BACKWARD = """
+def column_row_linears(x, w1, w2):
+    import torch.nn.functional as F
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen = {}
+
+    class f(torch.autograd.Function):  # backward: the whole input's gradient from the full weights, zeros sent
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            dist.all_reduce(torch.zeros_like(grad))
+            with torch.enable_grad():
+                a = x.detach().requires_grad_()
+                return torch.autograd.grad(F.gelu(a @ w1.T) @ w2.T, a, seen["grad_y"])[0]
+
+    class g(torch.autograd.Function):  # honest: the partial outputs summed
+        @staticmethod
+        def forward(ctx, partial):
+            total = partial.clone()
+            dist.all_reduce(total)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["grad_y"] = grad
+            return grad
+
+    w1_local = torch.tensor_split(w1, world, 0)[rank].clone().requires_grad_()
+    w2_local = torch.tensor_split(w2, world, 1)[rank].clone().requires_grad_()
+    return g.apply(F.gelu(f.apply(x) @ w1_local.T) @ w2_local.T), w1_local, w2_local
+"""
 BYPASSES = {  # the numbers come out right; what the ranks sent (or how the shards were cut) does not
     "the whole layer on every rank": (WHOLE_LAYER, "Each rank holds and uses only its shards"),
     "the weights gathered": (GATHERED_WEIGHTS, "never weights"),
+    "empty all-reduces of the right size around the whole layer": (EMPTY_COLLECTIVES, "not from the full weights"),
+    "the right partial all-reduced, then the whole layer returned": (PARTIAL_DISCARDED, "not from the full weights"),
+    "an honest forward, x's gradient from the full weights": (FAKED_BACKWARD, "not from the full weights"),
     "shards cut for 2 ranks": (SOLUTION.replace("tensor_split(w1, world, 0)", "tensor_split(w1, 2, 0)").replace(
         "tensor_split(w2, world, 1)", "tensor_split(w2, 2, 1)"), "split into dist.get_world_size() pieces"),
 }

@@ -115,7 +115,23 @@ def _tp_verdict(outcomes: dict[int, dict], nproc: int) -> Verdict | None:
                              "to the gradient of the whole input."))
         return Verdict(False, _("x's gradient differs from nn.Linear's."),
                        _("f: identity forward, all-reduce backward; g: all-reduce forward, identity backward."))
-    return _communication_problem(o)
+    problem = _communication_problem(o)  # a Verdict is falsy when it fails: no `or` here
+    return problem if problem is not None else _probe_problem(outcomes)
+
+
+def _probe_problem(outcomes: dict[int, dict]) -> Verdict | None:
+    """Right numbers and the right all-reduces can still hide the whole layer computed on every rank (collectives of
+    the right size that carry nothing): the task ran the answer again on weights whose values outside each rank's
+    shards were different random numbers on every rank, and an answer that uses only its shards is not moved."""
+    moved = sorted(rank for rank, r in outcomes.items()
+                   if not all(_near(r["probe"][k], r["fp32"][k], _tolerance(r, k)) for k in QUANTITIES))
+    if not moved:
+        return None
+    return Verdict(False, _("y and every gradient are right, but when the weights outside each rank's shards were "
+                            "replaced by other numbers on every rank, they changed (on ranks {ranks}): the answer "
+                            "reads more of w1 and w2 than its shards.", ranks=moved),
+                   _("Each rank holds and uses only its shards: y_partial = gelu(x w1_local^T) w2_local^T, and the "
+                     "sum over ranks comes from g's all-reduce of those partial outputs, not from the full weights."))
 
 
 def _communication_problem(o: dict) -> Verdict | None:

@@ -9,8 +9,11 @@ output, the gradient of ``x`` and of each shard under one fixed loss, and the sa
 process in float32 and float64 (their gap is the rounding floor of the checker's tolerance), sliced to this rank,
 and what the forward and backward communicated (each process-group call's op and elements,
 :class:`helpers.rank.exercises.traffic.Traffic`): column- then row-parallel all-reduces y once forward and x's
-gradient once backward, and a rank that computes the whole layer from the full weights sends nothing. Then the same
-on one rank fewer (a new process group without the last rank), where there are more than 2.
+gradient once backward, and a rank that computes the whole layer from the full weights sends nothing. Then the
+answer runs once more (loaded afresh) on weights whose values OUTSIDE this rank's shards are different random numbers
+on every rank: an answer that uses only its shards gives the same numbers again, and one that reads the rest of the
+weights (the whole layer behind collectives of the right size) does not. Then all of it on one rank fewer (a new
+process group without the last rank), where there are more than 2.
 """
 import argparse
 
@@ -31,6 +34,16 @@ def inputs(dtype):
     x, w1 = torch.randn(BATCH, D_IN, generator=g), torch.randn(HIDDEN, D_IN, generator=g) / D_IN ** 0.5
     w2, target = torch.randn(D_OUT, HIDDEN, generator=g) / HIDDEN ** 0.5, torch.randn(BATCH, D_OUT, generator=g)
     return x.to(dtype), w1.to(dtype), w2.to(dtype), target.to(dtype)
+
+
+def foreign(w: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """``w`` with every value outside this rank's shard along ``dim`` replaced by random numbers of this rank's own."""
+    keep = torch.zeros(w.shape[dim], dtype=torch.bool)
+    keep[torch.tensor_split(torch.arange(w.shape[dim]), world)[rank]] = True
+    shape = [1, 1]
+    shape[dim] = -1
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(1000 + rank), dtype=w.dtype) * w.std()
+    return torch.where(keep.view(shape), w, noise)
 
 
 def reference(dtype, rank: int, world: int) -> dict:
@@ -57,6 +70,15 @@ def main() -> int:
     column_row_linears = load_answer(args.answer, "column_row_linears")
     store = dist.distributed_c10d._get_default_store()
 
+    def outputs(answer, x, w1, w2, target) -> dict:
+        """One call of ``answer`` and the backward of the fixed loss: y and the three gradients, as lists."""
+        x = x.detach().requires_grad_()
+        y, w1_local, w2_local = answer(x, w1, w2)
+        (y * target).sum().backward()
+        return {"y": y.detach().flatten().tolist(), "x_grad": [] if x.grad is None else x.grad.flatten().tolist(),
+                "w1_grad": [] if w1_local.grad is None else w1_local.grad.flatten().tolist(),
+                "w2_grad": [] if w2_local.grad is None else w2_local.grad.flatten().tolist()}
+
     def one_run(world: int) -> dict:
         fields = {"world_size": world, "shapes": {"w1": [HIDDEN, D_IN], "w2": [D_OUT, HIDDEN]},
                   "fp32": reference(torch.float32, rank, world), "fp64": reference(torch.float64, rank, world)}
@@ -81,6 +103,8 @@ def main() -> int:
                             "w2_grad": [] if w2_local.grad is None else w2_local.grad.flatten().tolist(),
                             "w1_shard": w1_local.detach().flatten().tolist(),
                             "w2_shard": w2_local.detach().flatten().tolist()}
+        fields["probe"] = outputs(load_answer(args.answer, "column_row_linears"), x, foreign(w1, 0, rank, world),
+                                  foreign(w2, 1, rank, world), target)
         return fields
 
     def task():
