@@ -46,6 +46,13 @@ def foreign(w: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return torch.where(keep.view(shape), w, noise)
 
 
+def as_lists(y, x, w1_local, w2_local) -> dict:
+    """An answer's output and the gradients of x and of its shards after the backward, as lists ([] where none)."""
+    grad = lambda t: [] if t.grad is None else t.grad.flatten().tolist()  # noqa: E731
+    return {"y": y.detach().flatten().tolist(), "x_grad": grad(x), "w1_grad": grad(w1_local),
+            "w2_grad": grad(w2_local)}
+
+
 def reference(dtype, rank: int, world: int) -> dict:
     """Two nn.Linear on one process; the weights' gradients cut to this rank's shards."""
     x, w1, w2, target = inputs(dtype)
@@ -71,13 +78,11 @@ def main() -> int:
     store = dist.distributed_c10d._get_default_store()
 
     def outputs(answer, x, w1, w2, target) -> dict:
-        """One call of ``answer`` and the backward of the fixed loss: y and the three gradients, as lists."""
+        """One more call of ``answer`` and the backward of the fixed loss: y and the three gradients."""
         x = x.detach().requires_grad_()
         y, w1_local, w2_local = answer(x, w1, w2)
         (y * target).sum().backward()
-        return {"y": y.detach().flatten().tolist(), "x_grad": [] if x.grad is None else x.grad.flatten().tolist(),
-                "w1_grad": [] if w1_local.grad is None else w1_local.grad.flatten().tolist(),
-                "w2_grad": [] if w2_local.grad is None else w2_local.grad.flatten().tolist()}
+        return as_lists(y, x, w1_local, w2_local)
 
     def one_run(world: int) -> dict:
         fields = {"world_size": world, "shapes": {"w1": [HIDDEN, D_IN], "w2": [D_OUT, HIDDEN]},
@@ -97,11 +102,7 @@ def main() -> int:
         fields["comm"] = {phase: [list(call) for call in t.calls] + ([["unseen", t.unseen, 0]] if t.unseen else [])
                           for phase, t in (("forward", forward), ("backward", backward))}
         fields["comm"]["sizes"] = {"y": BATCH * D_OUT, "x_grad": BATCH * D_IN}
-        fields["answer"] = {"y": y.detach().flatten().tolist(),
-                            "x_grad": [] if x.grad is None else x.grad.flatten().tolist(),
-                            "w1_grad": [] if w1_local.grad is None else w1_local.grad.flatten().tolist(),
-                            "w2_grad": [] if w2_local.grad is None else w2_local.grad.flatten().tolist(),
-                            "w1_shard": w1_local.detach().flatten().tolist(),
+        fields["answer"] = {**as_lists(y, x, w1_local, w2_local), "w1_shard": w1_local.detach().flatten().tolist(),
                             "w2_shard": w2_local.detach().flatten().tolist()}
         fields["probe"] = outputs(load_answer(args.answer, "column_row_linears"), x, foreign(w1, 0, rank, world),
                                   foreign(w2, 1, rank, world), target)
