@@ -89,28 +89,21 @@ def test_committed_outputs_hold_no_absolute_path(chapter):
 
 
 # a number in scientific notation with a negative exponent: a rounding gap or a floor, which the CPU's float kernels
-# decide (nb10's fp32 - fp64 gaps were 9e-09 on one machine and 2e-07 on another); fp16's eps and the like are spelled
-# out by a formula, so a cell that prints them may say so with the marker below
+# decide (nb10's fp32 - fp64 gaps were 9e-09 on one machine and 2e-07 on another)
 ROUNDING_SIZED = re.compile(r"(?<![\w.])\d(?:\.\d+)?e-\d+")
-FIXED_CONSTANTS = "largest"  # chapter 05's float-format table: torch.finfo's constants, the same on every machine
-
-
-def _compared_texts(nb):
-    for i, cell in enumerate(nb["cells"]):
-        if cell["cell_type"] != "code" or not _compared(cell):
-            continue
-        for out in cell.get("outputs", []):
-            text = out.get("text") or out.get("data", {}).get("text/plain", "")
-            yield i, "".join(text) if isinstance(text, list) else text
+# lines that print fixed constants of the float formats (chapter 05: torch.finfo, and 1e-8 cast to fp16 / bf16), the
+# same on every machine
+FIXED_CONSTANTS = ("largest", "in fp16:")
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.id)
 def test_compared_outputs_hold_no_rounding_sized_number_outside_a_measured_part(chapter):
     # nbval compares these cells on every machine, and its sanitizer masks only "(measured: ...)": a gap or floor shown
     # elsewhere fails CI on the next machine (it did, twice: nb12's parity table, nb10's per-step gaps)
-    found = [(i, line.strip()[:100]) for i, text in _compared_texts(_load(chapter))
+    nb = _load(chapter)
+    found = [(i, line.strip()[:100]) for i, text in _output_texts(nb) if _compared(nb.cells[i])
              for line in re.sub(r"\(measured: [^\n]*\)", "", text).splitlines()
-             if ROUNDING_SIZED.search(line) and FIXED_CONSTANTS not in line and "fp16" not in line]
+             if ROUNDING_SIZED.search(line) and not any(c in line for c in FIXED_CONSTANTS)]
     assert not found, f"show these in an nbval-ignore-output cell or a claim's measured part (cell, line): {found[:5]}"
 
 
