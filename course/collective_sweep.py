@@ -13,7 +13,7 @@ all_gather, the message for send_recv (every rank sends to the next and receives
 directions at once) and for send (rank 0 to rank 1 only, one way, as a pipeline stage hands over its activations;
 its cost is the receiver's, the others idle). With --gaps-ms, each size is timed again with every call after that
 long without communication, as a step's collective follows its compute (notebook 11 prices each one at the pause it
-followed).
+followed); with --gap-max-bytes, only the sizes up to it, where a pause's fixed cost is not lost in the bytes'.
 course/allreduce_bench.py (notebook 00) is the all-reduce alone, nccl-tests style.
 """
 import argparse
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--gap-ops", nargs="+", choices=OPS, default=None,
                         help="the collectives timed after each gap (default: all of --ops)")
     parser.add_argument("--gap-iters", type=int, default=None, help="calls per gap (default: --iters)")
+    parser.add_argument("--gap-max-bytes", type=int, default=None,
+                        help="time the calls after each gap up to this size only (default: every size)")
     parser.add_argument("--trace", action="store_true",
                         help="time the calls inside torch.profiler, as the --profile-steps runs are, and write a "
                              "trace per rank to the run directory (each call a 'sweep <op> <bytes>' span)")
@@ -97,7 +99,8 @@ def main() -> None:
                     for _ in range(args.warmup):
                         run()
                     mine = timed(run, f"sweep {op} {size_bytes}", args.iters, device)
-                    for gap in args.gaps_ms if op in (args.gap_ops or args.ops) else []:  # each after idling
+                    gapped = op in (args.gap_ops or args.ops) and size_bytes <= (args.gap_max_bytes or size_bytes)
+                    for gap in args.gaps_ms if gapped else []:  # each call after idling
                         timed(run, f"sweep {op} {size_bytes} gap {gap:g}", args.gap_iters or args.iters, device,
                               idle=gap / 1e3)
                     times = torch.tensor(mine, dtype=torch.float64, device=device)

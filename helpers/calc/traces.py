@@ -105,18 +105,22 @@ def clip(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list
 
 
 def minus(first: Sequence[tuple[float, float]], second: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The parts of ``first`` that ``second`` does not cover (both from :func:`union`)."""
-    out = []
+    """The parts of ``first`` that ``second`` does not cover (any intervals: both are passed through
+    :func:`union`). One pass over both, sorted: linear in their lengths."""
+    cuts = union(second)
+    out, j = [], 0
     for a, b in union(first):
-        cur = a
-        for c, d in union(second):
-            if d <= cur or c >= b:
-                continue
+        while j < len(cuts) and cuts[j][1] <= a:  # cuts that end before this interval starts: behind every later one
+            j += 1
+        cur, k = a, j
+        while k < len(cuts) and cuts[k][0] < b:
+            c, d = cuts[k]
             if c > cur:
                 out.append((cur, c))
             cur = max(cur, d)
             if cur >= b:
                 break
+            k += 1
         if cur < b:
             out.append((cur, b))
     return out
@@ -277,9 +281,12 @@ def transfer_costs(all_spans: Sequence[Mapping], block: int | None = None) -> li
     if len({len(s) for s in steps.values()}) > 1:
         raise ValueError(f"the ranks profiled different numbers of steps: { {r: len(s) for r, s in steps.items()} }")
 
+    kinds = {test: {rank: [s for s in mine if test(s["name"])] for rank, mine in ranks.items()}
+             for test in (is_send, is_recv)}  # filtered once: a trace holds millions of spans, a step a few messages
+
     def inside(rank, k, test):
         st = steps[rank][k]
-        return [s for s in ranks[rank] if test(s["name"]) and st["t0"] <= s["t0"] < st["t1"]]
+        return [s for s in kinds[test][rank] if st["t0"] <= s["t0"] < st["t1"]]
 
     (a, b) = ranks
     per_rank = {a: [], b: []}

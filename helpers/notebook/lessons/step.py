@@ -14,8 +14,7 @@ says which it did).
 Example (notebook cells)::
 
     cfg = lesson.settings(PROFILE, NPROC)
-    runs = {mode: launch.torchrun("course/overlap.py", nproc=cfg.nproc, args=cfg.args(mode)) for mode in
-            lesson.DDP_MODES}
+    runs = lesson.by_mode(launch.torchrun("course/overlap.py", nproc=cfg.nproc, args=cfg.args(*lesson.DDP_MODES)))
     lesson.show_table(runs)
     lesson.claim_overlap(runs, cfg)
 """
@@ -25,6 +24,7 @@ import json
 import os
 import statistics
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 
 from ...calc import traces as calc
@@ -42,6 +42,7 @@ ZERO3_MODES = {"zero3": {}, "no-overlap-comm": {"overlap_comm": False},
                "no-prefetch": {"stage3_prefetch_bucket_size": 0}}
 DS_CONFIG = COURSE / "ds_config.json"
 LAYERS = 8  # the script's MLP
+SWEEP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")  # what the runs call (comm_model.calls_of)
 # No constant margin decides a claim here: each compares a mode with what the same run measured where the answer
 # is known by construction (no overlap hides nothing; a collective waited for where it is issued hides nothing), or
 # asks which of two structural outcomes a measurement is nearer to (:func:`nearer`).
@@ -54,7 +55,7 @@ class Settings:
     cores: int
     steps: int = 8
     profiled: int = 5   # the MLP's runs; the traces and the sweep are read in blocks of this many (comm_model)
-    short: int = 15     # the runs whose steps are short (TP, DeepSpeed's CNN) profile more: 3 blocks
+    short: int = 15     # the runs whose steps are short (TP, the pipeline, DeepSpeed's CNN) profile more: 3 blocks
     width: int = 1024
 
     @property
@@ -62,10 +63,12 @@ class Settings:
         """Every rank has a core of its own (else ranks take turns and their waits include the scheduler's)."""
         return self.nproc <= self.cores
 
-    def args(self, mode: str) -> list:
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
-        return ["--mode", mode, "--steps", self.steps, "--skip-steps", self.steps - self.profiled,
+    def args(self, *modes: str) -> list:
+        """course/overlap.py training ``modes`` one after another in one launch (:func:`by_mode` reads each)."""
+        for mode in modes or (None,):
+            if mode not in MODES:
+                raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+        return ["--mode", *modes, "--steps", self.steps, "--skip-steps", self.steps - self.profiled,
                 "--profile-steps", self.profiled, "--width", self.width]
 
     def zero3_args(self) -> list:
@@ -95,12 +98,18 @@ class Settings:
         """course/gpt_tp.py (notebook 09's script, its defaults), :attr:`short` steps profiled."""
         return ["--steps", 3 + self.short, "--skip-steps", 3, "--profile-steps", self.short]
 
-    def sweep_args(self) -> list:
-        """course/collective_sweep.py, traced and read as the runs are: four blocks of calls back to back, and three
-        of the collectives the runs use, each call after 30 ms without communication (two blocks: with one, a noisy
-        sweep read the penalty of idling at 1.12 against its own noise of 1.13, where twelve others read 1.21-1.65)."""
-        return ["--trace", "--factor", 2, "--iters", 4 * self.profiled, "--gaps-ms", 30, "--gap-iters",
-                2 * self.profiled, "--gap-ops", "all_reduce", "all_gather", "reduce_scatter"]
+    def sweep_args(self, again: bool = False) -> list:
+        """course/collective_sweep.py, traced and read as the runs are: the four collectives the runs' steps call,
+        two blocks of calls back to back; and three of them again up to 1 MiB, each call after 30 ms without
+        communication (comm_model.fits prices the larger sizes as back to back: there the bytes dominate), in two
+        blocks (with one, a noisy sweep read the penalty of idling at 1.12 against its own noise of 1.13, where
+        twelve others read 1.21-1.65). ``again``: the calls back to back only, timed after the runs to measure how
+        far the machine moved while they ran (comm_model.claim_agreement)."""
+        args = ["--ops", *SWEEP_OPS, "--trace", "--factor", 2, "--iters", 2 * self.profiled]
+        if again:
+            return args
+        return args + ["--gaps-ms", 30, "--gap-iters", 2 * self.profiled, "--gap-max-bytes", 2 ** 20, "--gap-ops",
+                       "all_reduce", "all_gather", "reduce_scatter"]
 
     def __str__(self) -> str:
         return (f"profile={self.profile} nproc={self.nproc} ({self.cores} cores here) steps={self.steps}, the last "
@@ -129,6 +138,18 @@ def settings(profile="auto", nproc=None) -> Settings:
 
 
 # ---------------------------------------------------------------------------------------- 1. the numbers
+
+
+def by_mode(run) -> dict:
+    """One launch of course/overlap.py with several modes as one run per mode: the same outcome, read from the folder
+    the mode wrote its metrics and traces into. Raises if a mode left nothing."""
+    modes = [m for m in MODES if (run.run_dir / m).is_dir()]
+    out = {m: dataclasses.replace(run, run_dir=run.run_dir / m, _metrics=None) for m in modes}
+    empty = [m for m, r in out.items() if not r.result]
+    if not modes or empty:
+        raise ValueError(f"{run.run_dir}: no result from mode(s) {', '.join(empty) or 'any'}: launch "
+                         "course/overlap.py with two or more --mode values and let it finish")
+    return out
 
 
 def rows(run) -> list[dict]:
