@@ -6,6 +6,9 @@ Run it from any directory, in a terminal (after `pip install -e .`, which `make 
     torchrun --nproc-per-node 4 course/gpt_3d.py --pp 2 --tp 1    # dp 2 x pp 2
     torchrun --nproc-per-node 1 course/gpt_3d.py --pp 1 --tp 1 --batch-size 16   # one process, the same batches
 
+--fp64-twin trains the same run again in fp64 afterwards (same seed, same batches) into the folder fp64 of the run
+directory: the gap between the two is fp32's rounding, the floor against which two fp32 runs are compared.
+
 `init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))` gives every rank one coordinate per axis.
 "pp": the GPT cut into --pp balanced stages (course/gpt_pp.py), the activations sent between the ranks of a pp
 group. "tp": each stage's blocks split Megatron-style over the tp group (course/gpt_tp.py's plan). "dp": each dp
@@ -13,7 +16,10 @@ rank reads its own shard of the data (DistributedSampler over the dp ranks), and
 averaged over the dp group by hand (one all-reduce per parameter: what DDP does, written out). The loss lives on the
 last stage: one all-reduce over the world adds it up (tp copies x dp shards) and rank 0 logs the mean.
 """
+import argparse
 import itertools
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,7 @@ from helpers.calc.mesh import script_problem
 from helpers.calc.pipeline import stage_layers
 from helpers.rank import harness, lm
 from helpers.rank.devices import rank_device
+from helpers.rank.metrics import RUN_DIR_ENV
 from helpers.rank.pipeline import Stage, StageClock, lm_loss, state_bytes
 from helpers.rank.runtime import end_rank, launched_ranks, log0
 
@@ -46,6 +53,7 @@ def parse_args():
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks per tp group)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and dp rank")
+    p.add_argument("--fp64-twin", action="store_true", help="then the same run in fp64, into <run dir>/fp64")
     return p.parse_args()
 
 
@@ -63,6 +71,11 @@ def main():
     dist.init_process_group(backend)
     try:
         train(args, rank, world_size, device)
+        if args.fp64_twin:  # one start-up for both: the ranks' and torchrun's take longer than these steps
+            twin = Path(os.environ.get(RUN_DIR_ENV) or ".") / "fp64"
+            twin.mkdir(exist_ok=True)
+            os.environ[RUN_DIR_ENV] = str(twin)  # its metrics and result, read as Run.part("fp64")
+            train(argparse.Namespace(**{**vars(args), "dtype": "fp64"}), rank, world_size, device)
     finally:
         dist.destroy_process_group()
 

@@ -31,7 +31,7 @@ import base64
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..rank import metrics as _metrics
@@ -78,6 +78,12 @@ class Run:
             if r.get("kind") == "result":
                 out.setdefault(r["rank"], {}).update({k: v for k, v in r.items() if k not in ("kind", "t", "rank")})
         return dict(sorted(out.items()))
+
+    def part(self, name: str) -> "Run":
+        """The run a script made in the folder ``name`` of the run directory: the same launch, its metrics and
+        traces read from there (a script that trains several times in one launch, e.g. course/overlap.py with
+        several --mode values, course/gpt_3d.py --fp64-twin, writes each into a folder of its own)."""
+        return replace(self, run_dir=self.run_dir / name, _metrics=None)
 
     def log(self, rank: int | str = 0) -> str:
         """Everything one rank printed (``rank="launcher"`` for the launcher's own output)."""

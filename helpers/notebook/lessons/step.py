@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 from collections import Counter
-import dataclasses
 from dataclasses import dataclass
 
 from ...calc import traces as calc
@@ -144,7 +143,7 @@ def by_mode(run) -> dict:
     """One launch of course/overlap.py with several modes as one run per mode: the same outcome, read from the folder
     the mode wrote its metrics and traces into. Raises if a mode left nothing."""
     modes = [m for m in MODES if (run.run_dir / m).is_dir()]
-    out = {m: dataclasses.replace(run, run_dir=run.run_dir / m, _metrics=None) for m in modes}
+    out = {m: run.part(m) for m in modes}
     empty = [m for m, r in out.items() if not r.result]
     if not modes or empty:
         raise ValueError(f"{run.run_dir}: no result from mode(s) {', '.join(empty) or 'any'}: launch "
