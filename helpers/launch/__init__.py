@@ -81,8 +81,8 @@ class Run:
 
     def part(self, name: str) -> "Run":
         """The run a script made in the folder ``name`` of the run directory: the same launch, its metrics and
-        traces read from there (a script that trains several times in one launch, e.g. course/overlap.py with
-        several --mode values, course/gpt_3d.py --fp64-twin, writes each into a folder of its own)."""
+        traces read from there (a script that trains several times in one launch, one configuration after another
+        with one start-up, writes each into a folder of its own)."""
         return replace(self, run_dir=self.run_dir / name, _metrics=None)
 
     def log(self, rank: int | str = 0) -> str:
