@@ -167,3 +167,21 @@ def test_torchs_own_context_parallel_is_refused_on_cpu_with_the_reason(one_rank_
     with pytest.raises(RuntimeError, match=r"CUDA kernels .* on cpu causal SDPA runs aten\._scaled_dot_product_flash"
                                            r".* Use --attn ring or --attn ulysses on CPU"):
         cp.torch_context_parallel(one_rank_group, torch.device("cpu"))
+
+
+def test_activation_bytes_wait_for_a_buffer_another_thread_lets_go_of_late(monkeypatch):
+    """gloo's worker thread can hold a collective's buffer a moment past the call (ranks sharing cores): the count
+    is the settled one. Here the "worker" lets go of a 4 KiB buffer while the rank waits between two reads. The
+    fault: one read only, which counts the late buffer."""
+    torch.manual_seed(0)
+    model, held = torch.nn.Linear(8, 8), {}
+
+    def forward():
+        held["buffer"] = torch.empty(1024)  # 4 KiB that another thread still holds when the forward ends
+        return model(torch.randn(4, 8))
+
+    plain = cp.forward_activation_bytes(model, lambda: model(torch.randn(4, 8)))
+    monkeypatch.setattr(cp.time, "sleep", lambda seconds: held.clear())  # the worker runs while this rank waits
+    assert cp.forward_activation_bytes(model, forward) == plain
+    monkeypatch.setattr(cp, "SETTLE_READS", 1)
+    assert cp.forward_activation_bytes(model, forward) == plain + 4096

@@ -40,6 +40,7 @@ from .gpt import attention_core
 
 LAYOUTS = ("zigzag", "contiguous")
 PHASES = ("forward", "backward")
+SETTLE_READS = 10  # forward_activation_bytes: reads 10 ms apart, the lowest kept (gloo frees a call's buffers late)
 _KV_TAG, _DKV_TAG = 12, 13  # the ring's two kinds of message between the same pair of ranks never mix
 
 
@@ -383,9 +384,16 @@ def forward_activation_bytes(model, forward) -> int:
     with tracker:
         kept = forward()
         gc.collect()  # MemTracker's dispatch mode leaves reference cycles around c10d's p2p calls, which hold the
-        snapshot = tracker.get_tracker_snapshot("current")  # ring's received blocks until the collector runs
+        # ring's received blocks until the collector runs. And gloo's worker thread lets go of a collective's
+        # buffers a moment after the call has returned: with ranks sharing cores, that moment can come after the
+        # forward ends (one Ulysses run here read one all-to-all buffer more on one rank). Nothing allocates
+        # while this waits, so the settled count is the lowest of reads 10 ms apart.
+        reads = []
+        for _ in range(SETTLE_READS):
+            reads.append(sum(device[_MemRefType.ACT] for device in tracker.get_tracker_snapshot("current").values()))
+            time.sleep(0.01)
     del kept
-    return sum(device[_MemRefType.ACT] for device in snapshot.values())
+    return min(reads)
 
 
 def flat_grads(model) -> torch.Tensor:
