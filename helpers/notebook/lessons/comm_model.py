@@ -65,11 +65,15 @@ def _calls(sweep) -> dict[tuple[str, float], dict[int, list[float]]]:
     return out
 
 
+def _block_minima(calls: list[float], block: int) -> list[float]:
+    """The fastest call of every whole block of ``block`` consecutive calls (a last, partial block is left out)."""
+    return [min(calls[i:i + block]) for i in range(0, len(calls) - block + 1, block)]
+
+
 def _cost(calls: list[float], block: int | None) -> float:
     if block is None or len(calls) < block:
         return min(calls)
-    blocks = [calls[i:i + block] for i in range(0, len(calls) - block + 1, block)]
-    return statistics.mean(min(b) for b in blocks)
+    return statistics.mean(_block_minima(calls, block))
 
 
 def costs(sweep, block: int | None = None, idle: float = 0.0) -> dict[str, dict[int, float]]:
@@ -151,7 +155,7 @@ def block_spread(sweep, block: int, ops=("all_reduce", "all_gather", "reduce_sca
     gaps = []
     for (op, idle), by_size in _calls(sweep).items():
         for size, calls in by_size.items():
-            blocks = [min(calls[i:i + block]) for i in range(0, len(calls) - block + 1, block)]
+            blocks = _block_minima(calls, block)
             if op in ops and idle == 0 and size >= LARGE and len(blocks) > 1:
                 gaps.append(max(blocks) / min(blocks) - 1)
     if not gaps:
@@ -366,8 +370,8 @@ def claim_agreement(rows_: list[dict], sweep, again, cfg) -> None:
     profiled steps is one reading, and within one sweep, one block of as many calls moves from another by
     :func:`block_spread` (the larger of the two sweeps'). The median configuration's traced/model may miss by no more
     than the two together. Claimed only where every rank has a core of its own; with ranks taking turns, printed as a
-    reading. (Three regenerations here: the two sweeps disagreed by at most 0.16 to 0.79, one block from another by
-    0.32 to 0.33; the median miss was 0.03 to 0.21.)"""
+    reading. (Five regenerations here: the two sweeps disagreed by at most 0.16 to 0.79, one block from another by
+    0.14 to 0.41; the median miss was 0.03 to 0.22.)"""
     if not rows_:
         return  # one rank: claim_model's claim
     miss = statistics.median(factor(r["ratio"]) for r in rows_)
@@ -389,11 +393,11 @@ def claim_residuals(model: dict, table: list[dict], sweep, cfg) -> None:
     than the sweep's own noise (:func:`idle_penalty`, :func:`spread`); and the small buckets' all-reduces, with the
     backward computing beside them, cost more against the model than the median configuration whose collectives run
     alone (:data:`ALONE`): a median, because each run meets its own moment of the machine (one regeneration here
-    timed one bucket's all-reduce at 1.30 x the model, the buckets' at 1.26, no overlap's at 1.07). With ranks taking turns on the cores, every call also
-    waits for a core, idle or not, and neither is claimed. How near the model the traces come is
-    :func:`claim_agreement`'s: a fixed margin (25%, earlier) counted 3 to 9 of 10 configurations within it over
-    regenerations of the chapter here, because four sweeps minutes apart timed the same 4 MiB all-reduce at 1.6 to
-    3.0 ms."""
+    timed one bucket's all-reduce at 1.30 x the model, the buckets' at 1.26, no overlap's at 1.07). With ranks
+    taking turns on the cores, every call also waits for a core, idle or not, and neither is claimed. How near the
+    model the traces come is :func:`claim_agreement`'s: a fixed margin (25%, earlier) counted 3 to 9 of 10
+    configurations within it over regenerations of the chapter here, because four sweeps minutes apart timed the
+    same 4 MiB all-reduce at 1.6 to 3.0 ms."""
     priced = {t["config"]: t for t in table if t["ratio"] is not None}
     if not priced:
         return  # one rank: claim_model's claim

@@ -5,9 +5,9 @@ and one all-reduce after the backward) (:data:`DDP_MODES`), and FSDP2 resharding
 explicit prefetch (:data:`FSDP_MODES`), each launched with ``--profile-steps``, so every rank leaves a torch.profiler
 trace; ``course/gpt_tp.py`` adds tensor parallelism's all-reduces, and ``course/ds_cifar10.py`` DeepSpeed ZeRO-3
 with and without prefetch (:data:`ZERO3_MODES`; overlap_comm: :func:`cpu_streams`). :mod:`helpers.calc.traces`
-splits each profiled step of each rank into compute, communication and exposed communication (communication while no compute ran); here
-those become a table, one timeline per mode, and the claims. The share of communication *hidden* behind compute,
-``1 - exposed / comm``, is what the three modes differ in by construction; the exposed *time* is compared only
+splits each profiled step of each rank into compute, communication and exposed communication (communication while
+no compute ran); here those become a table, one timeline per mode, and the claims. The share of communication
+*hidden* behind compute, ``1 - exposed / comm``, is what the three modes differ in by construction; the exposed *time* is compared only
 where every rank has a core of its own, since ranks that take turns on a core wait for the scheduler too (the cell
 says which it did).
 
