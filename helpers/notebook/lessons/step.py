@@ -7,9 +7,9 @@ trace; ``course/gpt_tp.py`` adds tensor parallelism's all-reduces, and ``course/
 with and without prefetch (:data:`ZERO3_MODES`; overlap_comm: :func:`cpu_streams`). :mod:`helpers.calc.traces`
 splits each profiled step of each rank into compute, communication and exposed communication (communication while
 no compute ran); here those become a table, one timeline per mode, and the claims. The share of communication
-*hidden* behind compute, ``1 - exposed / comm``, is what the three modes differ in by construction; the exposed *time* is compared only
-where every rank has a core of its own, since ranks that take turns on a core wait for the scheduler too (the cell
-says which it did).
+*hidden* behind compute, ``1 - exposed / comm``, is what the three modes differ in by construction; the exposed
+*time* is compared only where every rank has a core of its own, since ranks that take turns on a core wait for the
+scheduler too (the cell says which it did).
 
 Example (notebook cells)::
 
