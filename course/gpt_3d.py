@@ -18,8 +18,6 @@ last stage: one all-reduce over the world adds it up (tp copies x dp shards) and
 """
 import argparse
 import itertools
-import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,9 +32,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from helpers.calc.mesh import script_problem
 from helpers.calc.pipeline import stage_layers
-from helpers.rank import harness, lm
+from helpers.rank import harness, lm, parts
 from helpers.rank.devices import rank_device
-from helpers.rank.metrics import RUN_DIR_ENV
 from helpers.rank.pipeline import Stage, StageClock, lm_loss, state_bytes
 from helpers.rank.runtime import end_rank, launched_ranks, log0
 
@@ -72,9 +69,7 @@ def main():
     try:
         train(args, rank, world_size, device)
         if args.fp64_twin:  # one start-up for both: the ranks' and torchrun's take longer than these steps
-            twin = Path(os.environ.get(RUN_DIR_ENV) or ".") / "fp64"
-            twin.mkdir(exist_ok=True)
-            os.environ[RUN_DIR_ENV] = str(twin)  # its metrics and result, read as Run.part("fp64")
+            parts.enter(parts.run_dir(), "fp64")  # its metrics and result, read as Run.part("fp64")
             train(argparse.Namespace(**{**vars(args), "dtype": "fp64"}), rank, world_size, device)
     finally:
         dist.destroy_process_group()

@@ -7,14 +7,23 @@ Run it from any directory, in a terminal (after `pip install -e .`, which `make 
     torchrun --nproc-per-node 2 course/gpt_pp.py --schedule zbv          # 2 stages per rank, V-shaped
     torchrun --nproc-per-node 1 course/gpt_pp.py                          # the one-process reference: no pipeline
 
+    torchrun --nproc-per-node 2 course/gpt_pp.py --schedule gpipe 1f1b --fp64-twin   # 4 runs, one start-up
+
+--fp64-twin trains the same run again in fp64 afterwards (same seed, same batches) into the folder fp64 of the run
+directory: the gap between the two is fp32's rounding, the floor against which two fp32 runs are compared. Several
+schedules train one after another in one launch, each into the folder of its name (a start-up of the ranks takes
+longer than these few steps).
+
 The GPT is cut into balanced stages (helpers.rank.pipeline.Stage): equal numbers of transformer blocks per stage,
 the embeddings on the first stage, the final LayerNorm and the head on the last (a few ten thousand parameters
 beside the blocks' hundreds of thousands each). One stage per rank, two for the interleaved and V-shaped schedules.
 Each step cuts the batch into --microbatches micro-batches; every rank sees the same batch: the first stage reads
 the tokens, the last the targets. The loss exists only where the head is, on the last stage (rank WORLD_SIZE - 1,
-rank 0 for the V shapes): that rank broadcasts the mean micro-batch loss so rank 0 can log it (pytorch/torchtitan#547). Every forward and
-backward action of every micro-batch is timed on every rank (the timeline the notebook draws).
+rank 0 for the V shapes): that rank broadcasts the mean micro-batch loss so rank 0 can log it
+(pytorch/torchtitan#547). Every forward and backward action of every micro-batch is timed on every rank (the
+timeline the notebook draws).
 """
+import argparse
 import time
 
 import torch
@@ -25,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from helpers.calc.mesh import script_problem
 from helpers.calc.pipeline import SCHEDULES, stage_layers, stages_of_rank
-from helpers.rank import harness, lm
+from helpers.rank import harness, lm, parts
 from helpers.rank.devices import rank_device
 from helpers.rank.pipeline import Stage, StageClock, lm_loss
 from helpers.rank.runtime import end_rank, launched_ranks, log0
@@ -38,9 +47,11 @@ LAUNCH_DEFAULTS = {"--n-layer": "8", "--microbatches": "4", "--batch-size": "8",
 def parse_args():
     p = lm.parser("Pipeline-parallel training of a small GPT on text (launch with torchrun).", steps=20)
     p.set_defaults(n_layer=8, d_model=64, seq_len=64, skip_steps=3)
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), nargs="+", default=["1f1b"],
+                   help="one or more: several train one after another, each into <run dir>/<schedule>")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide --batch-size)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1: ranks do not fight for cores)")
+    p.add_argument("--fp64-twin", action="store_true", help="then the same run in fp64, into <run dir>/fp64")
     return p.parse_args()
 
 
@@ -48,16 +59,24 @@ def parse_args():
 def main():
     args = parse_args()
     rank, local_rank, world_size = launched_ranks("torchrun --nproc-per-node 2 course/gpt_pp.py")
+    schedules = list(dict.fromkeys(args.schedule))
     given = {"--n-layer": args.n_layer, "--microbatches": args.microbatches, "--batch-size": args.batch_size,
-             "--schedule": args.schedule}
+             "--schedule": " ".join(schedules)}
     problem = script_problem(LAUNCH_RULES, {f: str(v) for f, v in given.items()}, world_size)
     if problem:
         raise SystemExit(problem)
     torch.set_num_threads(args.threads)
     device, backend = rank_device(local_rank)
     dist.init_process_group(backend)
+    base = parts.run_dir()
     try:
-        train(args, rank, world_size, device)
+        for schedule in schedules:
+            one = argparse.Namespace(**{**vars(args), "schedule": schedule})
+            here = parts.enter(base, schedule) if len(schedules) > 1 else base
+            train(one, rank, world_size, device)
+            if args.fp64_twin:  # one start-up for both: the ranks' and torchrun's take longer than these steps
+                parts.enter(here, "fp64")  # its metrics and result, read as Run.part("fp64")
+                train(argparse.Namespace(**{**vars(one), "dtype": "fp64"}), rank, world_size, device)
     finally:
         dist.destroy_process_group()
 

@@ -103,6 +103,9 @@ def test_steady_bubble_skips_warm_up_and_reports_the_spread():
     (3, [], "--n-layer 8 does not split into 3"),
     (2, [], None), (4, ["--schedule", "gpipe", "--microbatches", "1"], None), (1, ["--microbatches", "1"], None),
     (4, ["--schedule", "interleaved1f1b", "--microbatches", "1"], None), (3, ["--n-layer", "6"], None),
+    (4, ["--schedule", "gpipe", "1f1b", "--microbatches", "4"], None),  # several in one launch: each is checked
+    (4, ["--schedule", "gpipe", "1f1b", "--microbatches", "2"], "--schedule 1f1b needs at least as many"),
+    (2, ["--schedule", "interleaved1f1b", "gpipe", "--n-layer", "6"], "--n-layer 6 does not split into 4"),
 ])
 def test_bad_pp_input_is_refused_before_launch_and_good_input_passes(nproc, args, problem):
     if problem is None:
@@ -121,7 +124,8 @@ def test_the_pp_script_declares_its_rules_and_its_defaults_match_its_parser(monk
     assert all(rule in mesh.RULES for rule in script.LAUNCH_RULES.values())
     monkeypatch.setattr("sys.argv", ["gpt_pp.py"])
     args = script.parse_args()
-    assert {f: str(getattr(args, f[2:].replace("-", "_"))) for f in script.LAUNCH_DEFAULTS} == script.LAUNCH_DEFAULTS
+    value = {f: getattr(args, f[2:].replace("-", "_")) for f in script.LAUNCH_DEFAULTS}
+    assert {f: " ".join(v) if isinstance(v, list) else str(v) for f, v in value.items()} == script.LAUNCH_DEFAULTS
 
 
 def test_the_stopwatch_wraps_methods_torch_pipeline_stages_have():

@@ -109,11 +109,18 @@ def sequence_splits_over_tp(flag: str, value: str, world_size: int,
 def script_problem(rules: Mapping[str, str], flags: Mapping[str, str], world_size: int) -> str | None:
     """The first problem of a script's ``rules`` (flag -> rule name) with these ``flags`` (the command line's over
     the script's defaults; a flag in neither is not checked), or None: what the launcher refuses before launch and
-    the script refuses inside its ranks.
+    the script refuses inside its ranks. A flag given several values (space-separated: a script that runs several
+    configurations in one launch) is checked at each of them, with the other flags as given.
 
         >>> script_problem({"--tp": "divides_world_size"}, {"--tp": "3"}, 4)
         '--tp 3 does not divide the 4 ranks into equal groups (...); use one of 1, 2, 4'
+        >>> script_problem({"--tp": "divides_world_size"}, {"--tp": "2 3"}, 4)
+        '--tp 3 does not divide the 4 ranks into equal groups (...); use one of 1, 2, 4'
     """
+    several = next((f for f, v in flags.items() if len(str(v).split()) > 1), None)
+    if several is not None:
+        return next((problem for one in str(flags[several]).split()
+                     if (problem := script_problem(rules, {**flags, several: one}, world_size))), None)
     for flag, rule in rules.items():
         if flag in flags:
             problem = RULES[rule](flag, flags[flag], world_size, flags)

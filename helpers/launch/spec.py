@@ -14,6 +14,7 @@ Rule names are the keys of :data:`helpers.calc.mesh.RULES`.
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -225,7 +226,8 @@ def _launch_defaults(script_path: Path) -> dict[str, str]:
 
 def _given_flags(arg_list: list[str]) -> dict[str, str]:
     """Every ``--flag`` of the command line with its value (``--flag V`` or ``--flag=V``, the last one wins, as
-    argparse does; a switch followed by another flag, or last, maps to ``""``)."""
+    argparse does; a switch followed by another flag, or last, maps to ``""``; a flag that takes several values,
+    ``--schedule gpipe 1f1b``, maps to them joined by spaces, each checked by the rules in turn)."""
     given = {}
     for i, a in enumerate(arg_list):
         if not a.startswith("--"):
@@ -233,8 +235,8 @@ def _given_flags(arg_list: list[str]) -> dict[str, str]:
         if "=" in a:
             flag, value = a.split("=", 1)
         else:
-            nxt = arg_list[i + 1] if i + 1 < len(arg_list) else None
-            flag, value = a, ("" if nxt is None or nxt.startswith("--") else nxt)
+            values = list(itertools.takewhile(lambda v: not v.startswith("--"), arg_list[i + 1:]))
+            flag, value = a, " ".join(values)
         given[flag] = value
     return given
 
