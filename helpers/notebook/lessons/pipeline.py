@@ -78,9 +78,9 @@ class Settings:
         v = 2 * self.nproc
         return N_LAYER if N_LAYER % v == 0 else v * -(-N_LAYER // v)
 
-    def more_args(self, label: str) -> list:
-        """The flags of one of :data:`MORE`'s runs: this chapter's GPT, 2 x NPROC stages."""
-        args = self.args("--schedule", SCHEDULE_OF[label])
+    def more_args(self) -> list:
+        """The flags of :data:`MORE`'s runs, both in one launch: this chapter's GPT, 2 x NPROC stages."""
+        args = self.args("--schedule", *(SCHEDULE_OF[label] for label in MORE))
         args[args.index("--n-layer") + 1] = self.more_layers
         return args
 

