@@ -1,0 +1,162 @@
+"""One rank of a real model's layout, simulated in one process: nothing allocated, nothing sent.
+
+Run it from any directory, in a terminal (after `pip install -e .`, which `make setup` does); no torchrun:
+
+    python course/gpt_at_scale.py --model llama3-8b --world 64 --tp 8           # FSDP2 over 8, TP + SP over 8
+    python course/gpt_at_scale.py --model gpt3-175b --world 1024 --tp 8 --pp 16 --stage 1
+
+The course GPT (helpers.rank.gpt) is built at a published model's shape (helpers.calc.scale.MODELS) under
+FakeTensorMode: every tensor has its shape, dtype and size and none has storage. The process joins a fake process
+group of --world ranks as rank 0 (torch.testing._internal.distributed.fake_pg: every collective returns at once and
+moves nothing), so init_device_mesh, parallelize_module and fully_shard build exactly what rank 0 of the real job
+would hold. Then one training step of one micro-batch on the layers of pipeline stage --stage of --pp: the blocks
+split Megatron-style over --tp with sequence parallelism (course/gpt_tp.py's plan), FSDP2 over the data-parallel
+ranks with fp32 shards and bf16 compute, AdamW. FSDPMemTracker (torch.distributed._tools) splits the rank's memory
+into sharded parameters, gradients, optimizer state, activations and FSDP's communication buffers; the script prints
+them beside the course's formulas (helpers.calc.scale.expected) and writes them as JSON with --json.
+
+The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
+pins them.
+"""
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from helpers.calc import scale
+from helpers.rank.gpt import GPT, GPTConfig
+from helpers.rank.pipeline import Stage
+from helpers.rank.runtime import end_rank
+
+KINDS = {"params": _FSDPRefType.SHARDED_PARAM, "grads": _FSDPRefType.SHARDED_GRAD, "optimizer": _FSDPRefType.OPT,
+         "activations": _FSDPRefType.ACT, "all-gather buffers": _FSDPRefType.ALL_GATHER,
+         "reduce-scatter buffers": _FSDPRefType.REDUCE_SCATTER, "unsharded params": _FSDPRefType.UNSHARDED_PARAM,
+         "temporaries": _FSDPRefType.TEMP}
+STATES = ("params", "grads", "optimizer")  # read after the step; the rest at the step's peak
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(scale.MODELS), default="llama3-8b")
+    p.add_argument("--world", type=int, default=64, help="ranks in the job (GPUs)")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (with sequence parallelism above 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--stage", type=int, default=0, help="the stage whose rank 0 is simulated")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p.parse_args(argv)
+
+
+def block_plan() -> dict:
+    """Megatron's split of one Block with sequence parallelism (course/gpt_tp.py --sp)."""
+    seq = Shard(1)  # dim 1 of (batch, seq, d_model)
+    return {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=seq),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=seq)}
+
+
+def build(shape: dict, args, mesh) -> Stage:
+    """The course GPT's layers of this stage (on fake tensors), TP + SP over mesh["tp"], FSDP2 over mesh["dp"]."""
+    blocks = scale.stage_blocks(shape, args.pp, args.stage)
+    first, last = args.stage == 0, args.stage == args.pp - 1
+    cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"], n_layer=blocks, n_head=shape["n_head"],
+                    d_model=shape["d_model"], attention=shape["attention"])
+    with torch.device("meta"):  # shapes only: sharded before any storage exists, as torchtitan builds a model
+        model = Stage(GPT(cfg), list(range(blocks)), first, last)
+    if args.tp > 1:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], block_plan())
+        edges = {"ln_f": SequenceParallel(), "head": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)} if last else {}
+        if first:
+            edges["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                   use_local_output=True)
+        if edges:
+            parallelize_module(model, mesh["tp"], edges)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=bf16)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=bf16)
+    return model
+
+
+def simulate(args) -> dict:
+    shape = dict(scale.MODELS[args.model])
+    if args.seq_len:
+        shape["seq_len"] = args.seq_len
+    problem = scale.layout_problem(shape, args.world, args.tp, args.pp, args.stage)
+    if problem:
+        raise SystemExit(problem)
+    dp = args.world // (args.tp * args.pp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    try:
+        mesh = init_device_mesh("cpu", (args.pp, dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+        model = build(shape, args, mesh)  # on the meta device: the mesh's rank numbers stay real tensors
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")  # fake tensors: a size, no storage
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            b, s = args.micro_batch, shape["seq_len"]
+            if args.stage == 0:
+                x = torch.randint(0, shape["vocab"], (b, s))
+            else:  # the previous stage's output, this rank's s / tp positions under SP
+                x = torch.randn(b, s // args.tp, shape["d_model"], dtype=torch.bfloat16, requires_grad=True)
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((x,))
+            with tracker:
+                out = logits = model(x)
+                if args.stage == args.pp - 1:  # the loss in fp32, the logits held: the course GPT returns both
+                    y = torch.randint(0, shape["vocab"], (b, s))
+                    out = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                after_forward = tracker.get_tracker_snapshot("current")
+                out.backward(torch.ones_like(out))
+                optimizer.step()
+                after_step = tracker.get_tracker_snapshot("current")  # what stays: the model states
+                peak = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+    measured = {k: _bytes(after_step if k in STATES else peak, kind) for k, kind in KINDS.items()}
+    measured["activations after forward"] = _bytes(after_forward, _FSDPRefType.ACT)
+    return dict(model=args.model, shape=shape, world=args.world, tp=args.tp, pp=args.pp, dp=dp, stage=args.stage,
+                micro_batch=args.micro_batch, measured=measured,
+                formula=scale.expected(shape, world=args.world, tp=args.tp, pp=args.pp, stage=args.stage,
+                                       micro_batch=args.micro_batch))
+
+
+def _bytes(snapshot: dict, kind) -> int:
+    """One kind's bytes in a tracker snapshot ({device: {kind: bytes}}), summed over the devices."""
+    return sum(per.get(kind, 0) for per in snapshot.values())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = simulate(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    f, m = result["formula"], result["measured"]
+    print(f"{args.model} on {args.world} ranks: dp {result['dp']} x tp {args.tp} x pp {args.pp}, stage {args.stage} "
+          f"({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} tokens")
+    for key in ("params", "grads", "optimizer"):
+        print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
+    print(f"  {'activations after forward':28s} {m['activations after forward'] / 2**30:9.3f} GiB   "
+          f"formula {f['activations'] / 2**30:9.3f} GiB")
+    for key in ("all-gather buffers", "reduce-scatter buffers", "unsharded params", "temporaries"):
+        print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   (at the peak)")
+    return 0
+
+
+if __name__ == "__main__":
+    end_rank(main())

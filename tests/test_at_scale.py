@@ -1,0 +1,80 @@
+"""course/gpt_at_scale.py: one rank of a real model's layout on fake tensors and a fake process group, called in this
+process, against helpers.calc.scale's formulas; the private APIs it rests on, pinned; bad layouts refused before
+anything is built."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import course.gpt_at_scale as script
+from helpers.calc import activations, scale
+
+# GPT-3 175B in 48 stages of 2 blocks: a real width (12288), heads and sequence (2048), few layers to trace
+STAGES = ["--model", "gpt3-175b", "--pp", "48"]
+
+
+def simulate(*argv):
+    return script.simulate(script.parse_args([*map(str, argv)]))
+
+
+def test_the_private_apis_the_simulation_rests_on_are_where_it_expects():
+    """torch.testing._internal's fake process group, FakeTensorMode and FSDPMemTracker's reference kinds are private:
+    if torch moves them, this fails first, naming what moved."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 (registers the "fake" backend)
+
+    assert "fake" in dist.Backend.backend_list, "torch no longer registers the 'fake' backend from fake_pg"
+    assert set(script.KINDS.values()) <= set(_FSDPRefType), "FSDPMemTracker's reference kinds changed"
+    FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@pytest.mark.parametrize("tp, stage", [(8, 1), (8, 47), (1, 1)])
+def test_one_rank_holds_the_formulas_model_states_exactly_and_its_activations_within_5_percent(tp, stage):
+    r = simulate(*STAGES, "--world", 48 * tp * 2, "--tp", tp, "--stage", stage)
+    m, f = r["measured"], r["formula"]
+    assert (r["dp"], f["blocks"]) == (2, 2)
+    for key in ("params", "grads", "optimizer"):  # ZeRO-3 over dp: 4 + 4 + 8 bytes per parameter of this rank
+        assert f[key] <= m[key] <= f[key] + 4 * 4 * shape_width(r), key  # FSDP2 pads rows to a multiple of dp
+    assert m["activations after forward"] == pytest.approx(f["activations"], rel=0.05)
+    assert not dist.is_initialized()  # the fake group is gone again
+
+
+def shape_width(r) -> int:
+    return r["shape"]["d_model"]
+
+
+def test_the_measurement_tells_torchs_sequence_parallelism_from_megatrons():
+    """torch's SequenceParallel plan keeps the all-gathered LayerNorm outputs whole for q/k/v's and up's backward;
+    Megatron-LM keeps 1/t and gathers again. The simulation must see the difference (else the 5% claim is empty)."""
+    r = simulate(*STAGES, "--world", 768, "--tp", 8, "--stage", 1)
+    shape = r["shape"]
+    args = (shape["seq_len"], 1, shape["d_model"], shape["n_head"], "bf16", shape["attention"], "none", 8, True)
+    megatron = r["formula"]["activations"] - 2 * (activations.layer_bytes(*args, gathered_whole=True)
+                                                   - activations.layer_bytes(*args))
+    assert r["measured"]["activations after forward"] > 1.3 * megatron
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--world", 100, "--tp", 8], "does not divide --world 100"),
+    (["--world", 48, "--tp", 3], "does not divide the 32 heads; use one of 1, 2, 4, 8, 16, 32"),
+    (["--world", 64, "--tp", 8, "--pp", 2, "--stage", 2], "--stage 2 is not one of the 2 stages"),
+    (["--world", 64, "--tp", 0], "--tp 0: a degree is a whole number of ranks"),
+    (["--world", 40, "--tp", 1, "--pp", 5], "--pp 5 does not split the 32 layers into equal stages"),
+])
+def test_a_layout_that_cannot_be_built_is_refused_before_anything_is(argv, problem):
+    with pytest.raises(SystemExit, match=problem):
+        simulate("--model", "llama3-8b", *argv)
+    assert not dist.is_initialized()
+
+
+def test_the_course_gpt_at_gpt3s_shape_is_gpt3s_parameter_count():
+    """GPT-3's block is the course GPT's (MHA, 4h GELU MLP): 175B within 0.5%; Llama 3's is not (GQA, SwiGLU)."""
+    assert scale.course_params(scale.MODELS["gpt3-175b"]) == pytest.approx(175e9, rel=0.005)
+
+
+def test_llama3_405bs_126_layers_split_as_its_authors_did_one_fewer_on_the_first_and_last_stage():
+    shape = scale.MODELS["llama3-405b"]
+    blocks = [scale.stage_blocks(shape, 16, s) for s in range(16)]
+    assert blocks == [7] + [8] * 14 + [7] and sum(blocks) == 126
+    assert scale.stage_blocks(scale.MODELS["llama3-8b"], 5, 0) is None  # 32 layers: neither 5 nor 5 x 7 - 2
