@@ -5,15 +5,16 @@ Run it from any directory, in a terminal (after `pip install -e .`, which `make 
     python course/gpt_at_scale.py --model llama3-8b --world 64 --tp 8           # FSDP2 over 8, TP + SP over 8
     python course/gpt_at_scale.py --model gpt3-175b --world 1024 --tp 8 --pp 16 --stage 1
 
-The course GPT (helpers.rank.gpt) is built at a published model's shape (helpers.calc.scale.MODELS) under
-FakeTensorMode: every tensor has its shape, dtype and size and none has storage. The process joins a fake process
-group of --world ranks as rank 0 (torch.testing._internal.distributed.fake_pg: every collective returns at once and
-moves nothing), so init_device_mesh, parallelize_module and fully_shard build exactly what rank 0 of the real job
-would hold. Then one training step of one micro-batch on the layers of pipeline stage --stage of --pp: the blocks
-split Megatron-style over --tp with sequence parallelism (course/gpt_tp.py's plan), FSDP2 over the data-parallel
-ranks with fp32 shards and bf16 compute, AdamW. FSDPMemTracker (torch.distributed._tools) splits the rank's memory
-into sharded parameters, gradients, optimizer state, activations and FSDP's communication buffers; the script prints
-them beside the course's formulas (helpers.calc.scale.expected) and writes them as JSON with --json.
+The process joins a fake process group of --world ranks as rank 0 (torch.testing._internal.distributed.fake_pg:
+every collective returns at once and moves nothing). The course GPT (helpers.rank.gpt) is built at a published
+model's shape (helpers.calc.scale.MODELS) on the meta device, where init_device_mesh, parallelize_module and
+fully_shard build exactly what rank 0 of the real job would hold (inside FakeTensorMode they cannot: the mesh's rank
+numbers would be faked); then it is materialised under FakeTensorMode, where every tensor has its shape, dtype and
+size and none has storage. Then one training step of one micro-batch on the layers of pipeline stage --stage of
+--pp: the blocks split Megatron-style over --tp with sequence parallelism (course/gpt_tp.py's plan), FSDP2 over the
+data-parallel ranks with fp32 shards and bf16 compute, AdamW. FSDPMemTracker (torch.distributed._tools) splits the
+rank's memory into sharded parameters, gradients, optimizer state, activations and FSDP's communication buffers; the
+script prints them beside the course's formulas (helpers.calc.scale.expected) and writes them as JSON with --json.
 
 The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
 pins them.

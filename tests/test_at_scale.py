@@ -35,13 +35,9 @@ def test_one_rank_holds_the_formulas_model_states_exactly_and_its_activations_wi
     m, f = r["measured"], r["formula"]
     assert (r["dp"], f["blocks"]) == (2, 2)
     for key in ("params", "grads", "optimizer"):  # ZeRO-3 over dp: 4 + 4 + 8 bytes per parameter of this rank
-        assert f[key] <= m[key] <= f[key] + 4 * 4 * shape_width(r), key  # FSDP2 pads rows to a multiple of dp
+        assert f[key] <= m[key] <= f[key] + 4 * 4 * r["shape"]["d_model"], key  # FSDP2 pads rows to a multiple of dp
     assert m["activations after forward"] == pytest.approx(f["activations"], rel=0.05)
     assert not dist.is_initialized()  # the fake group is gone again
-
-
-def shape_width(r) -> int:
-    return r["shape"]["d_model"]
 
 
 def test_the_measurement_tells_torchs_sequence_parallelism_from_megatrons():

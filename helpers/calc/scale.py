@@ -18,6 +18,7 @@ Published hyperparameters:
 from __future__ import annotations
 
 from . import activations
+from .flags import divisors
 from .memory import zero_model_state_bytes
 from .plan import microbatch_activation_bytes, stage_params
 
@@ -42,8 +43,7 @@ def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int) -> str
     if world % (tp * pp):
         return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --world {world}: dp would not be whole"
     if shape["n_head"] % tp:
-        ok = [t for t in range(1, shape["n_head"] + 1) if shape["n_head"] % t == 0 and t <= 64]
-        return f"--tp {tp} does not divide the {shape['n_head']} heads; use one of {', '.join(map(str, ok))}"
+        return f"--tp {tp} does not divide the {shape['n_head']} heads; use one of {divisors(shape['n_head'])}"
     if shape["seq_len"] % tp:
         return f"--tp {tp} does not divide the sequence of {shape['seq_len']} (sequence parallelism cuts it)"
     if pp > shape["n_layer"]:
