@@ -130,3 +130,22 @@ def test_dp_traffic_hides_only_behind_the_compute_that_runs_beside_it():
     assert z3["dp_exposed"] == pytest.approx(max(0, z3["dp"] - z3["compute"]))
     full = t(microbatches=16, checkpoint="full")
     assert full["dp_exposed"] == pytest.approx(max(0, full["dp"] - full["compute"] * 3 / 4 / 16))
+
+
+def test_llama3_405b_splits_its_126_layers_as_its_authors_did_and_the_planner_places_it():
+    """126 layers on 16 stages: one fewer on the first and last (Llama 3, Sec. 3.3.2); a count that is neither equal
+    nor that is refused. The per-stage counts still add up to the whole model, and the planner now enumerates the
+    paper's TP 8 x PP 16 x DP 128 on 16,384 GPUs, where it could only take pp dividing the layers before."""
+    assert plan.stage_sizes(126, 16) == [7] + [8] * 14 + [7]
+    assert plan.stage_sizes(7, 3) == [2, 3, 2] and plan.stage_sizes(32, 5) is None
+    shape = dict(vocab=128256, seq_len=8192, n_layer=126, n_head=128, d_model=16384, attention="sdpa")
+    assert sum(plan.stage_params(shape, 16, s) for s in range(16)) == plan.stage_params(shape)
+    middle, first = plan.stage_params(shape, 16, 1, 8), plan.stage_params(shape, 16, 0, 8)
+    assert middle == plan.stage_params(shape, 16, 14, 8) and middle % 8 == 0  # 8 blocks on every middle stage
+    assert first == 7 * middle // 8 + (128256 + 8192) * 16384  # 7 blocks, and the embeddings (whole over TP here)
+    with pytest.raises(ValueError, match="126 layers do not split into 5 stages"):
+        plan.stage_params(shape, 5, 0)
+    assert (128, 8, 16, 16) in set(plan.layouts(shape, 16384, 8, global_batch=2048))
+    fits = plan.propose(shape, gpu_bytes=80e9, n_gpus=16384, gpus_per_node=8, global_batch=2048)
+    paper = [f for f in fits if (f["layout"]["dp"], f["layout"]["tp"], f["layout"]["pp"]) == (128, 8, 16)]
+    assert paper, "the paper's layout fits in 80 GB by the formulas"

@@ -1,11 +1,12 @@
 """Choosing a layout for a GPT: DP x TP x PP, ZeRO and checkpointing, from the course's formulas. Pure arithmetic.
 
 A *layout* places a GPT (``shape``: vocab, seq_len, n_layer, n_head, d_model, attention) on ``dp x tp x pp`` ranks:
-``pp`` balanced pipeline stages (:func:`helpers.calc.pipeline.stage_layers`), each stage's blocks split over ``tp``
-ranks (notebook 09's Megatron plan: the blocks' six weight matrices, ``12 h^2`` per block, split; the LayerNorms
-whole; the embeddings and head whole as in the course's scripts, or split over the vocabulary as Megatron-LM does,
-which :func:`propose` assumes), and ``dp`` copies of that reading different data, their model states sharded by ZeRO
-``stage`` over the dp ranks. Each step a dp rank runs ``microbatches`` micro-batches of ``micro_batch`` sequences.
+``pp`` pipeline stages of equal blocks, or one block fewer on the first and last (:func:`stage_sizes`), each stage's
+blocks split over ``tp`` ranks (notebook 09's Megatron plan: the blocks' six weight matrices, ``12 h^2`` per block,
+split; the LayerNorms whole; the embeddings and head whole as in the course's scripts, or split over the vocabulary as
+Megatron-LM does, which :func:`propose` assumes), and ``dp`` copies of that reading different data, their model states
+sharded by ZeRO ``stage`` over the dp ranks. Each step a dp rank runs ``microbatches`` micro-batches of ``micro_batch``
+sequences.
 
 Per rank, by stage (:func:`rank_memory`):
 
@@ -16,13 +17,13 @@ Per rank, by stage (:func:`rank_memory`):
     in flight      = GPipe: all m (every forward runs before the first backward);
                      1F1B: min(pp - s, m) on stage s (its warm-up forwards), so at most pp on the first stage
 
-:func:`propose` enumerates the layouts a machine allows (``tp`` a divisor of the GPUs per node and of the heads,
-``pp`` of the layers, ``dp`` the rest) and returns those that fit in memory, best first, by the order of the Ultra-Scale
-Playbook's first step, "fit a training step in memory": the fewest model-parallel ranks ``tp x pp`` (data
-parallelism adds the least communication to the critical path); for the same product more TP and less PP, TP inside
-a node (Narayanan et al. 2021, arXiv:2104.04473, takeaway #1: TP up to the GPUs per node, then PP); then the lowest
-ZeRO stage (ZeRO-3 moves 1.5x the bytes of DP); then the least recomputation. With ``pp > 1`` only ZeRO 0 and 1:
-DeepSpeed's pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+:func:`propose` enumerates the layouts a machine allows (``tp`` a divisor of the GPUs per node and of the heads, ``pp``
+splitting the layers, ``dp`` the rest) and returns those that fit in memory, best first, by the order of the Ultra-Scale
+Playbook's first step, "fit a training step in memory": the fewest model-parallel ranks ``tp x pp`` (data parallelism
+adds the least communication to the critical path); for the same product more TP and less PP, TP inside a node
+(Narayanan et al. 2021, arXiv:2104.04473, takeaway #1: TP up to the GPUs per node, then PP); then the lowest ZeRO stage
+(ZeRO-3 moves 1.5x the bytes of DP); then the least recomputation. With ``pp > 1`` only ZeRO 0 and 1: DeepSpeed's
+pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
 (``deepspeed/runtime/pipe/engine.py``): they would regather or re-reduce per micro-batch.
 
 :func:`step_comm_bytes`: what one rank sends per step on each axis, by the ring all-reduce's ``2 (n - 1) / n``.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 from . import activations
 from .memory import PRECISIONS, zero_model_state_bytes
-from .pipeline import stage_layers
 
 SCHEDULES = ("gpipe", "1f1b")
 USABLE = 0.85  # of a GPU's memory the proposal fills: the rest for the CUDA context, the allocator's fragmentation,
@@ -53,6 +53,32 @@ def _vocab_rows(vocab: int, tp: int, vocab_parallel: bool) -> int:
     """The vocabulary rows one TP rank holds of the embedding, the head or the logits: all of them, or with
     ``vocab_parallel`` its ``ceil(V / tp)`` (the vocabulary padded to a multiple of ``tp``)."""
     return -(-vocab // tp) if vocab_parallel else vocab
+
+
+def stage_sizes(n_layer: int, pp: int) -> list[int] | None:
+    """Blocks on each of ``pp`` pipeline stages: equal stages, or, where the layers are two short of equal stages,
+    one layer fewer on the first and the last, which also hold the embeddings and the head: Llama 3 405B's 126 layers
+    on 16 stages (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.2). None: neither split exists.
+
+        >>> stage_sizes(8, 4), stage_sizes(126, 16)[:3], stage_sizes(126, 16)[-1], stage_sizes(32, 5)
+        ([2, 2, 2, 2], [7, 8, 8], 7, None)
+    """
+    if pp < 1:
+        return None
+    if n_layer % pp == 0:
+        return [n_layer // pp] * pp
+    if pp > 2 and (n_layer + 2) % pp == 0:
+        per = (n_layer + 2) // pp
+        return [per - 1] + [per] * (pp - 2) + [per - 1]
+    return None
+
+
+def _blocks(shape: dict, pp: int, stage: int) -> int:
+    sizes = stage_sizes(shape["n_layer"], pp)
+    if sizes is None:
+        raise ValueError(f"{shape['n_layer']} layers do not split into {pp} stages, equal or one layer fewer on the "
+                         f"first and the last")
+    return sizes[stage]
 
 
 def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, vocab_parallel: bool = False) -> int:
@@ -71,7 +97,7 @@ def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, vocab_pa
     h, v = shape["d_model"], shape["vocab"]
     if (12 * h * h) % tp:
         raise ValueError(f"tp {tp} does not divide the blocks' matrices (d_model {h})")
-    blocks = len(stage_layers(shape["n_layer"], pp)[stage])
+    blocks = _blocks(shape, pp, stage)
     n = blocks * (12 * h * h // tp + 4 * h)
     rows = _vocab_rows(v, tp, vocab_parallel)
     if stage == 0:
@@ -99,7 +125,7 @@ def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stag
     LayerNorm, logits, log_softmax and targets on the last (:func:`helpers.calc.activations.head_terms`; with
     ``vocab_parallel`` each rank's logits cover ``ceil(V / tp)`` of the vocabulary)."""
     s, b, h = shape["seq_len"], micro_batch, shape["d_model"]
-    blocks = len(stage_layers(shape["n_layer"], pp)[stage])
+    blocks = _blocks(shape, pp, stage)
     out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, shape.get("attention", "math"),
                                            checkpoint, tp, sp)
     head = activations.head_terms(s, b, h, _vocab_rows(shape["vocab"], tp, vocab_parallel), dtype)
@@ -138,7 +164,7 @@ def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int
 def stage_tensors(shape: dict, pp: int = 1, stage: int = 0) -> int:
     """Parameter tensors of a stage: 10 per block (six matrices, two LayerNorms' weight and bias), 2 embeddings
     on the first stage, the final LayerNorm's two and the head on the last."""
-    n = 10 * len(stage_layers(shape["n_layer"], pp)[stage])
+    n = 10 * _blocks(shape, pp, stage)
     return n + (2 if stage == 0 else 0) + (3 if stage == pp - 1 else 0)
 
 
@@ -148,11 +174,12 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(shape: dict, n_gpus: int, gpus_per_node: int, global_batch: int, micro_batch: int = 1):
     """Every (dp, tp, pp, microbatches) the machine and the model allow: tp divides the GPUs per node and the heads,
-    pp the layers, dp = n_gpus / (tp pp) divides the global batch into micro-batches, and 1F1B gets m >= pp."""
+    pp splits the layers (:func:`stage_sizes`), dp = n_gpus / (tp pp) divides the global batch into micro-batches, and
+    1F1B gets m >= pp."""
     for tp in _divisors(gpus_per_node):
         if shape["n_head"] % tp:
             continue
-        for pp in _divisors(shape["n_layer"]):
+        for pp in (p for p in range(1, shape["n_layer"] + 1) if stage_sizes(shape["n_layer"], p)):
             if n_gpus % (tp * pp):
                 continue
             dp = n_gpus // (tp * pp)
@@ -176,8 +203,9 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     """A step's time on ``hardware`` by a first-order model (the Playbook's step 3, "optimise throughput"):
 
     * ``compute``: 6 N + 12 L h s FLOPs per token (the matmuls, forward and backward, and the attention scores:
-      Narayanan et al. 2021's count, Sec. 5.1), over the GPUs at ``efficiency`` of peak; full checkpointing runs the forward again (x 4/3); divided by
-      ``1 - bubble`` for a pipeline;
+      Narayanan et al. 2021's count, Sec. 5.1), over the GPUs at ``efficiency`` of peak; full checkpointing runs the
+      forward again (x 4/3); divided by ``1 - bubble`` for a pipeline, its stages taken as balanced (where the first
+      and last hold one block fewer, that is the embeddings' and the head's share of the work, as Llama 3 chose it);
     * ``tp``: the TP all-reduces (:func:`step_comm_bytes`) over NVLink, in the critical path of every layer;
     * ``dp``: the gradient traffic of :func:`step_comm_bytes` over the network when the run spans nodes, NVLink
       otherwise, hidden only behind the compute that runs while it can: ZeRO-0/1 reduce the accumulated gradients
@@ -251,7 +279,7 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
     e = activations.DTYPE_BYTES[_dtype(precision)]
     s, h = shape["seq_len"], shape["d_model"]
     act = e * s * micro_batch * h
-    blocks = len(stage_layers(shape["n_layer"], pp)[0])
+    blocks = max(_blocks(shape, pp, st) for st in range(pp))  # the stage that holds the most blocks
     grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp, vocab_parallel)
     return {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
             "pp": microbatches * 2 * act if pp > 1 else 0.0,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from . import activations
 from .flags import divisors
 from .memory import zero_model_state_bytes
-from .plan import microbatch_activation_bytes, stage_params
+from .plan import microbatch_activation_bytes, stage_params, stage_sizes
 
 MODELS = {
     "gpt3-175b": dict(vocab=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288, attention="sdpa"),
@@ -58,15 +58,10 @@ def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int) -> str
 
 
 def stage_blocks(shape: dict, pp: int, stage: int) -> int | None:
-    """Blocks on pipeline stage ``stage`` of ``pp``: equal stages, or, where the layers are two short of equal stages,
-    one layer fewer on the first and the last stage, which hold the embeddings and the head: Llama 3 405B's 126 layers
-    on 16 stages (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.2). None: neither split exists."""
-    n = shape["n_layer"]
-    if n % pp == 0:
-        return n // pp
-    if pp > 2 and (n + 2) % pp == 0:
-        return (n + 2) // pp - (stage in (0, pp - 1))
-    return None
+    """Blocks on pipeline stage ``stage`` of ``pp`` (:func:`helpers.calc.plan.stage_sizes`: equal stages, or one layer
+    fewer on the first and last, as Llama 3 405B's 126 layers on 16 stages). None: neither split exists."""
+    sizes = stage_sizes(shape["n_layer"], pp)
+    return None if sizes is None else sizes[stage]
 
 
 def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_batch: int = 1) -> dict:
