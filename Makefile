@@ -14,9 +14,11 @@ JUNIT   := build/junit
 # The fast tier (make check): every test not marked slow, browser or slurm, and the one real launch marked smoke
 FAST    := (not slow and not browser and not slurm) or smoke
 # Both test tiers run on 2 pytest-xdist workers, each test file on one worker (its module fixtures built once). On
-# 2 cores this took the slow tier from 624 s to 421 s (3 workers: 386 s, with tests up to 4x their serial time):
-# many of its tests wait (a stall, a timeout, a restart, a process group's start) while the other worker computes.
-# nbval stays serial: the notebooks' timing claims hold against noise measured in their own run, not a neighbour.
+# 2 cores this took the slow tier (without SLURM and the browser) from 624 s to 421 s: many of its tests wait (a
+# stall, a timeout, a restart, a process group's start) while the other worker computes. 3 workers: 386 s, but
+# single tests took up to 4x their serial time, and the SLURM tests failed their limits. The SLURM tests (8 ranks,
+# two DeepSpeed jobs in one test, a refusal held to 30 s) run after, on their own. nbval stays serial: the
+# notebooks' timing claims hold against noise measured in their own run, not a neighbour's.
 XDIST   := -n 2 --dist loadfile
 
 .PHONY: setup course check test tiers unit slow nbtest timings record matrix lab lab-zh regen translate bench clean
@@ -54,7 +56,8 @@ tiers: unit nbtest
 unit: check slow
 
 slow: setup            ## the tests beyond the fast tier: real multi-process launches, faults, browser, SLURM
-	$(PY) -m pytest tests -q $(XDIST) -m "not ($(FAST))" --timeout $(HANG_S) --junitxml=$(JUNIT)/slow.xml
+	$(PY) -m pytest tests -q $(XDIST) -m "not ($(FAST)) and not slurm" --timeout $(HANG_S) --junitxml=$(JUNIT)/slow.xml
+	$(PY) -m pytest tests -q -m "slurm and not ($(FAST))" --timeout $(HANG_S) --junitxml=$(JUNIT)/slurm.xml
 
 # no live progress bars: the committed outputs have none (helpers/launch/session.py). Each notebook is held to its
 # syllabus timeout (tests/nbval_timeouts.py), each cell to HANG_S. The English notebooks only:

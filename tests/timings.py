@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 JUNIT = Path(__file__).resolve().parents[1] / "build" / "junit"
-TIERS = ("fast", "slow", "nbval")
+TIERS = ("fast", "slow", "slurm", "nbval")  # slurm: the SLURM tests, after the slow tier, alone
 
 
 def read(path: Path) -> list[dict]:
