@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.calc import activations, memory, plan
+from helpers.calc import activations, cp, memory, plan
 from helpers.rank.gpt import GPTConfig, parameter_count
 
 TINY = dict(vocab=29, seq_len=32, n_layer=4, n_head=4, d_model=32, attention="math")
@@ -149,3 +149,40 @@ def test_llama3_405b_splits_its_126_layers_as_its_authors_did_and_the_planner_pl
     fits = plan.propose(shape, gpu_bytes=80e9, n_gpus=16384, gpus_per_node=8, global_batch=2048)
     paper = [f for f in fits if (f["layout"]["dp"], f["layout"]["tp"], f["layout"]["pp"]) == (128, 8, 16)]
     assert paper, "the paper's layout fits in 80 GB by the formulas"
+
+
+def test_context_parallelism_splits_the_sequence_and_shares_the_weights_like_dp():
+    """cp ranks hold a 1/cp share of each sequence (notebook 12's ring attention keeps what a flash kernel keeps),
+    the same weights as DP ranks (ZeRO shards over dp x cp), and send ring attention's K/V blocks; cp 1 is the
+    planner as it was."""
+    shape = dict(GPT3_XL, attention="math")
+    assert plan.microbatch_activation_bytes(shape, 2, cp=1) == plan.microbatch_activation_bytes(shape, 2)
+    quarter = dict(shape, seq_len=shape["seq_len"] // 4, attention="sdpa")
+    assert plan.microbatch_activation_bytes(shape, 2, 2, 1, 2, True, "bf16", cp=4) == \
+        plan.microbatch_activation_bytes(quarter, 2, 2, 1, 2, True, "bf16")
+    cp2 = plan.rank_memory(GPT3_XL, dp=2, cp=2, zero=3)[0]
+    dp4 = plan.rank_memory(GPT3_XL, dp=4, zero=3)[0]
+    states = ("params_bytes", "grads", "optimizer")
+    assert [cp2[k] for k in states] == [dp4[k] for k in states]
+    assert "cp" not in plan.step_comm_bytes(GPT3_XL, dp=2, tp=2)
+    mha = plan.step_comm_bytes(GPT3_XL, dp=2, tp=2, cp=4, microbatches=3, precision="mixed")
+    gqa = plan.step_comm_bytes(dict(GPT3_XL, n_kv_head=4), dp=2, tp=2, cp=4, microbatches=3, precision="mixed")
+    ring = cp.ring_bytes_per_layer(1, 2048, 2048 // 2, 4, 2)  # a TP rank's half of the heads, bf16
+    assert mha["cp"] == 3 * 24 * (ring["forward"] + ring["backward"]) == 4 * gqa["cp"]
+    assert mha["dp"] == plan.step_comm_bytes(GPT3_XL, dp=8, tp=2, microbatches=3, precision="mixed")["dp"]
+    got = list(plan.mesh_layouts(GPT3_XL, 64, 8, 32, cps=(1, 4, 3)))
+    assert got and all(dp * c * tp * pp == 64 and 32 % dp == 0 for dp, c, tp, pp, _ in got)
+    assert {c for _, c, _, _, _ in got} == {1, 4}  # 3 ranks: 6 zig-zag chunks do not split 2048 positions
+    assert [l for l in got if l[1] == 1] == [(dp, 1, tp, pp, m) for dp, tp, pp, m in plan.layouts(GPT3_XL, 64, 8, 32)]
+
+
+def test_llama3_405b_at_131k_tokens_needs_context_parallelism_and_its_layout_fits():
+    """Llama 3 405B's long-context stage: 16,384 GPUs, TP 8, CP 16, PP 16 (so DP 8), 16M tokens a step = 128
+    sequences of 131,072 (the SC'24 slide of Llama 3's hyperparameters; the paper's Table 4). By the formulas no layout
+    without context parallelism fits in 80 GB, and the authors' fits."""
+    shape = dict(vocab=128256, seq_len=131072, n_layer=126, n_head=128, n_kv_head=8, d_model=16384, attention="sdpa")
+    fits = plan.propose(shape, gpu_bytes=80e9, n_gpus=16384, gpus_per_node=8, global_batch=128,
+                        cps=(1, 2, 4, 8, 16, 32))
+    assert fits and min(f["layout"]["cp"] for f in fits) == 16
+    assert any((f["layout"]["dp"], f["layout"]["cp"], f["layout"]["tp"], f["layout"]["pp"]) == (8, 16, 8, 16)
+               for f in fits)

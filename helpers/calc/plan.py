@@ -36,7 +36,7 @@ Example::
 """
 from __future__ import annotations
 
-from . import activations
+from . import activations, cp as context
 from .memory import PRECISIONS, zero_model_state_bytes
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -119,15 +119,17 @@ def in_flight(schedule: str, pp: int, stage: int, microbatches: int) -> int:
 
 def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stage: int = 0, tp: int = 1,
                                 sp: bool = False, dtype: str = "fp32", checkpoint: str = "none",
-                                vocab_parallel: bool = False) -> float:
+                                vocab_parallel: bool = False, cp: int = 1) -> float:
     """Bytes one micro-batch leaves saved for backward on one rank of ``stage``: its blocks'
     (:func:`helpers.calc.activations.layer_bytes`), the token and position ids on the first stage, the final
     LayerNorm, logits, log_softmax and targets on the last (:func:`helpers.calc.activations.head_terms`; with
-    ``vocab_parallel`` each rank's logits cover ``ceil(V / tp)`` of the vocabulary)."""
-    s, b, h = shape["seq_len"], micro_batch, shape["d_model"]
+    ``vocab_parallel`` each rank's logits cover ``ceil(V / tp)`` of the vocabulary). With context parallelism
+    (``cp`` > 1, notebook 12) all of it at a rank's ``s / cp`` positions, its attention kept as ring attention keeps
+    it, what a flash kernel keeps (:func:`helpers.calc.cp.layer_terms_per_rank`)."""
+    s, b, h = shape["seq_len"] // cp, micro_batch, shape["d_model"]  # a CP rank's positions
     blocks = _blocks(shape, pp, stage)
-    out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, shape.get("attention", "math"),
-                                           checkpoint, tp, sp)
+    attention = shape.get("attention", "math") if cp == 1 else "sdpa"  # ring attention keeps what flash keeps
+    out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, attention, checkpoint, tp, sp)
     head = activations.head_terms(s, b, h, _vocab_rows(shape["vocab"], tp, vocab_parallel), dtype)
     ids = activations.INDEX_BYTES * s * b  # the token ids (first stage) or the targets (last)
     if stage == 0:
@@ -139,22 +141,24 @@ def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stag
 
 def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, checkpoint: str = "none",
                 micro_batch: int = 1, microbatches: int = 1, schedule: str = "1f1b", precision: str = "fp32",
-                sp: bool = False, step_counters: bool = False, vocab_parallel: bool = False) -> list[dict]:
+                sp: bool = False, step_counters: bool = False, vocab_parallel: bool = False, cp: int = 1) -> list[dict]:
     """Per pipeline stage, what one rank holds at its peak: ``params`` (count), the model states ``params_bytes``,
     ``grads``, ``optimizer``, ``in_flight`` micro-batches, ``activations`` and ``total`` (bytes). ``step_counters``:
     add AdamW's fp32 step counter per parameter tensor (:data:`ADAM_STEP_BYTES`, with ``tensors`` per stage
     from :func:`stage_tensors`), to compare with what torch's optimizer measurably keeps. ``vocab_parallel``: the
-    embeddings and head split over TP as Megatron-LM does (:func:`stage_params`)."""
+    embeddings and head split over TP as Megatron-LM does (:func:`stage_params`). ``cp``: context-parallel ranks,
+    which hold the same weights as DP ranks do (their gradients are reduced over ``dp x cp``, and ZeRO shards over
+    ``dp x cp``, as torchtitan's FSDP does) and each a ``1 / cp`` share of every sequence's activations."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     out = []
     for stage in range(pp):
         n = stage_params(shape, pp, stage, tp, vocab_parallel)
-        states = zero_model_state_bytes(n, dp, zero, precision)
+        states = zero_model_state_bytes(n, dp * cp, zero, precision)
         optimizer = states["optimizer"] + (ADAM_STEP_BYTES * stage_tensors(shape, pp, stage) if step_counters else 0)
         held = in_flight(schedule, pp, stage, microbatches)
         act = held * microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, _dtype(precision), checkpoint,
-                                                 vocab_parallel)
+                                                 vocab_parallel, cp)
         out.append(dict(stage=stage, params=n, params_bytes=states["params"], grads=states["grads"],
                         optimizer=optimizer, in_flight=held, activations=act,
                         total=states["params"] + states["grads"] + optimizer + act))
@@ -176,19 +180,31 @@ def layouts(shape: dict, n_gpus: int, gpus_per_node: int, global_batch: int, mic
     """Every (dp, tp, pp, microbatches) the machine and the model allow: tp divides the GPUs per node and the heads,
     pp splits the layers (:func:`stage_sizes`), dp = n_gpus / (tp pp) divides the global batch into micro-batches, and
     1F1B gets m >= pp."""
-    for tp in _divisors(gpus_per_node):
-        if shape["n_head"] % tp:
+    for dp, _cp, tp, pp, m in mesh_layouts(shape, n_gpus, gpus_per_node, global_batch, micro_batch):
+        yield dp, tp, pp, m
+
+
+def mesh_layouts(shape: dict, n_gpus: int, gpus_per_node: int, global_batch: int, micro_batch: int = 1,
+                 cps: tuple[int, ...] = (1,)):
+    """:func:`layouts` with context parallelism: every (dp, cp, tp, pp, microbatches) for ``cp`` in ``cps`` whose
+    zig-zag chunks split the sequence (``2 cp`` of them, notebook 12), with dp = n_gpus / (cp tp pp): the cp ranks
+    of a dp rank share its sequences, so dp alone divides the global batch."""
+    for cp in cps:
+        if cp < 1 or (cp > 1 and shape["seq_len"] % (2 * cp)):
             continue
-        for pp in (p for p in range(1, shape["n_layer"] + 1) if stage_sizes(shape["n_layer"], p)):
-            if n_gpus % (tp * pp):
+        for tp in _divisors(gpus_per_node):
+            if shape["n_head"] % tp:
                 continue
-            dp = n_gpus // (tp * pp)
-            if global_batch % (dp * micro_batch):
-                continue
-            m = global_batch // (dp * micro_batch)
-            if pp > 1 and m < pp:
-                continue
-            yield dp, tp, pp, m
+            for pp in (p for p in range(1, shape["n_layer"] + 1) if stage_sizes(shape["n_layer"], p)):
+                if n_gpus % (cp * tp * pp):
+                    continue
+                dp = n_gpus // (cp * tp * pp)
+                if global_batch % (dp * micro_batch):
+                    continue
+                m = global_batch // (dp * micro_batch)
+                if pp > 1 and m < pp:
+                    continue
+                yield dp, cp, tp, pp, m
 
 
 # A DGX H100 node's figures, as the vendor states them: 989 TFLOP/s dense bf16 per H100 SXM GPU; NVLink 4, 900 GB/s
@@ -213,57 +229,65 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
       backward) can hide them; ZeRO-2 reduce-scatters each micro-batch's gradients behind that micro-batch's
       backward (the whole backward); ZeRO-3's gathers also run ahead of the forward (the whole compute). What is
       longer than its cover is ``dp_exposed``;
+    * ``cp`` (``layout["cp"]`` > 1): ring attention's blocks (:func:`step_comm_bytes`) over NVLink while ``tp x cp``
+      fits in a node, over the network beyond; the ring sends the next block while the current one is attended, so
+      only what outlasts the attention's own compute (its ``12 L h s`` FLOPs per token) is ``cp_exposed``;
     * the pipeline's point-to-point sends overlap other micro-batches' compute and are left out.
     """
     L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
     dp, tp, pp, m = layout["dp"], layout["tp"], layout["pp"], layout["microbatches"]
-    n_gpus = dp * tp * pp
+    cp = layout.get("cp", 1)
+    n_gpus = dp * tp * pp * cp
     total = sum(stage_params(shape, pp, st, tp=1) for st in range(pp))
     flops = (6 * total + 12 * L * h * s) * global_batch * s * (4 / 3 if layout["checkpoint"] == "full" else 1)
     bubble = (pp - 1) / (m + pp - 1)
     compute = flops / (n_gpus * hardware["flops"] * hardware["efficiency"]) / (1 - bubble)
-    comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m,
-                           precision=precision, zero=layout["zero"], vocab_parallel=layout.get("vocab_parallel", False))
+    comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m, precision=precision,
+                           zero=layout["zero"], vocab_parallel=layout.get("vocab_parallel", False), cp=cp)
     tp_s = comm["tp"] / hardware["nvlink"]
     dp_s = comm["dp"] / (hardware["network"] if n_gpus > gpus_per_node else hardware["nvlink"])
     busy = compute * (1 - bubble)  # the compute itself, without the pipeline's idle time
     backward = busy * (3 / 4 if layout["checkpoint"] == "full" else 2 / 3)  # full: the forward rerun, then 2 F
     hidden_behind = {0: backward / m, 1: backward / m, 2: backward, 3: busy}[layout["zero"]]
     exposed = max(0.0, dp_s - hidden_behind)
-    return dict(compute=compute, bubble=bubble, tp=tp_s, dp=dp_s, dp_exposed=exposed, total=compute + tp_s + exposed)
+    cp_s = comm.get("cp", 0.0) / (hardware["nvlink"] if tp * cp <= gpus_per_node else hardware["network"])
+    cp_exposed = max(0.0, cp_s - busy * 12 * L * h * s / (6 * total + 12 * L * h * s))
+    return dict(compute=compute, bubble=bubble, tp=tp_s, dp=dp_s, dp_exposed=exposed, cp=cp_s, cp_exposed=cp_exposed,
+                total=compute + tp_s + exposed + cp_exposed)
 
 
 def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, global_batch: int,
             micro_batch: int = 1, precision: str = "mixed", usable: float = USABLE,
-            hardware: dict = H100_NODE) -> list[dict]:
+            hardware: dict = H100_NODE, cps: tuple[int, ...] = (1,)) -> list[dict]:
     """The layouts whose largest stage fits in ``usable x gpu_bytes`` per rank (the Playbook's step 1), fastest
-    first by :func:`step_seconds` (its step 3); ties by the order of the module docstring. Each: ``layout`` (dp,
-    tp, pp, zero, checkpoint, sp, microbatches, schedule), ``bytes`` (the largest stage's total per rank),
-    ``bubble``, ``seconds`` (:func:`step_seconds`), ``stages`` (:func:`rank_memory`)."""
+    first by :func:`step_seconds` (its step 3); ties by the order of the module docstring, context-parallel ranks
+    counted with the model-parallel ones. Each: ``layout`` (dp, cp, tp, pp, zero, checkpoint, sp, microbatches,
+    schedule), ``bytes`` (the largest stage's total per rank), ``bubble``, ``seconds`` (:func:`step_seconds`),
+    ``stages`` (:func:`rank_memory`). ``cps``: the context-parallel degrees to consider (:func:`mesh_layouts`)."""
     if n_gpus < 1 or gpus_per_node < 1 or (n_gpus > gpus_per_node and n_gpus % gpus_per_node):
         raise ValueError(f"need n_gpus a multiple of gpus_per_node (or fewer), got {n_gpus} and {gpus_per_node}")
     node = min(gpus_per_node, n_gpus)
     fits = []
-    for dp, tp, pp, m in layouts(shape, n_gpus, node, global_batch, micro_batch):
+    for dp, cp, tp, pp, m in mesh_layouts(shape, n_gpus, node, global_batch, micro_batch, cps):
         for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
             for rank, checkpoint in enumerate(activations.CHECKPOINTS):
-                layout = dict(dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint, sp=tp > 1, microbatches=m,
+                layout = dict(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint, sp=tp > 1, microbatches=m,
                               schedule="1f1b", vocab_parallel=tp > 1)
                 stages = rank_memory(shape, dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint,
                                      micro_batch=micro_batch, microbatches=m, precision=precision, sp=tp > 1,
-                                     vocab_parallel=tp > 1)
+                                     vocab_parallel=tp > 1, cp=cp)
                 worst = max(st["total"] for st in stages)
                 if worst <= usable * gpu_bytes:
                     t = step_seconds(shape, layout, global_batch=global_batch, micro_batch=micro_batch,
                                      gpus_per_node=node, precision=precision, hardware=hardware)
                     fits.append(dict(layout=layout, bytes=worst, bubble=t["bubble"], seconds=t, stages=stages,
-                                     key=(round(t["total"], 9), tp * pp, -tp, zero, rank)))
+                                     key=(round(t["total"], 9), cp * tp * pp, -tp, zero, rank)))
     return sorted(fits, key=lambda f: f["key"])
 
 
 def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
                     microbatches: int = 1, precision: str = "fp32", zero: int = 0,
-                    vocab_parallel: bool = False) -> dict:
+                    vocab_parallel: bool = False, cp: int = 1) -> dict:
     """Bytes one rank sends per step on each axis (for ``dp``, a rank of the first stage, whose embeddings make it
     hold the most parameters, :func:`stage_params` with ``vocab_parallel``; for ``pp``, a middle stage's, which
     sends both ways):
@@ -275,12 +299,24 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
       once per step, ``2 (dp - 1) / dp x n``; 2 reduce-scatters each micro-batch's gradients as they are produced
       (it keeps only its shard), ``m (dp - 1) / dp x n``; 3 also all-gathers the parameters for each micro-batch's
       forward and again for its backward, ``3 m (dp - 1) / dp x n`` (ZeRO's 1.5x of DP, once per micro-batch).
+
+    With context parallelism (``cp`` > 1) a rank's activations are ``s / cp`` positions, the gradients are reduced
+    over ``dp x cp`` ranks (in place of ``dp`` above), and a ``cp`` entry is added: ring attention's K and V blocks
+    per block and micro-batch (:func:`helpers.calc.cp.ring_bytes_per_layer`, forward and backward), of the heads
+    this TP rank holds, and of ``n_kv_head`` of them where the shape gives it (grouped-query attention: Llama 3
+    has 8 K/V heads for 128 query heads, so its blocks are 16x smaller than its width says).
     """
     e = activations.DTYPE_BYTES[_dtype(precision)]
-    s, h = shape["seq_len"], shape["d_model"]
+    s, h = shape["seq_len"] // cp, shape["d_model"]
     act = e * s * micro_batch * h
     blocks = max(_blocks(shape, pp, st) for st in range(pp))  # the stage that holds the most blocks
     grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp, vocab_parallel)
-    return {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
-            "pp": microbatches * 2 * act if pp > 1 else 0.0,
-            "dp": grads * (dp - 1) / dp * {0: 2, 1: 2, 2: microbatches, 3: 3 * microbatches}[zero]}
+    reduced = dp * cp  # the ranks that hold the same weights
+    out = {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
+           "pp": microbatches * 2 * act if pp > 1 else 0.0,
+           "dp": grads * (reduced - 1) / reduced * {0: 2, 1: 2, 2: microbatches, 3: 3 * microbatches}[zero]}
+    if cp > 1:
+        kv = h * shape.get("n_kv_head", shape["n_head"]) // shape["n_head"] // tp  # K or V features of a TP rank
+        ring = context.ring_bytes_per_layer(micro_batch, shape["seq_len"], kv, cp, e)
+        out["cp"] = microbatches * blocks * (ring["forward"] + ring["backward"])
+    return out
