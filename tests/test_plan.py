@@ -186,3 +186,30 @@ def test_llama3_405b_at_131k_tokens_needs_context_parallelism_and_its_layout_fit
     assert fits and min(f["layout"]["cp"] for f in fits) == 16
     assert any((f["layout"]["dp"], f["layout"]["cp"], f["layout"]["tp"], f["layout"]["pp"]) == (8, 16, 8, 16)
                for f in fits)
+
+
+def test_the_examples_in_the_docstrings_hold():
+    import doctest
+
+    failed, attempted = doctest.testmod(plan)
+    assert attempted >= 3 and failed == 0
+
+
+def test_mfu_is_the_efficiency_less_what_the_bubble_recomputation_and_exposed_traffic_take():
+    """With nothing exposed and no pipeline, the model's MFU is its assumed efficiency; full recomputation does a
+    third more work for the same model FLOPs (x 3/4), and the bubble idles (1 - bubble) of the step."""
+    eff = plan.H100_NODE["efficiency"]
+
+    def at(lay):
+        lay = dict(dict(zero=0, checkpoint="none", microbatches=1, tp=1, pp=1), **lay)
+        t = plan.step_seconds(GPT3_XL, lay, global_batch=512, micro_batch=1, gpus_per_node=8)
+        return plan.mfu(GPT3_XL, lay, t["compute"], global_batch=512), t
+
+    assert at(dict(dp=8))[0] == pytest.approx(eff)
+    assert at(dict(dp=8, checkpoint="full"))[0] == pytest.approx(eff * 3 / 4)
+    piped, t = at(dict(dp=2, pp=4, microbatches=16))
+    assert piped == pytest.approx(eff * (1 - t["bubble"])) and t["bubble"] > 0
+    t = plan.step_seconds(GPT3_XL, dict(dp=64, tp=1, pp=1, zero=0, checkpoint="none", microbatches=8),
+                          global_batch=512, micro_batch=1, gpus_per_node=8)
+    lay = dict(dp=64, tp=1, pp=1)
+    assert t["dp_exposed"] > 0 and plan.mfu(GPT3_XL, lay, t["total"], global_batch=512) < eff

@@ -256,6 +256,23 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
                 total=compute + tp_s + exposed + cp_exposed)
 
 
+def mfu(shape: dict, layout: dict, seconds: float, *, global_batch: int, hardware: dict = H100_NODE) -> float:
+    """Model FLOPs utilisation of a step that takes ``seconds``: the model's FLOPs (:func:`step_seconds`'s
+    ``6 N + 12 L h s`` per token, recomputation not counted: it is work the model did not need) over what the
+    layout's GPUs could do at peak in that time, the figure papers report (Llama 3: 38-43%).
+
+        >>> shape = dict(vocab=8, seq_len=4, n_layer=2, n_head=2, d_model=4)
+        >>> lay = dict(dp=2, tp=1, pp=1, zero=0, checkpoint="none", microbatches=1)
+        >>> round(mfu(shape, lay, step_seconds(shape, lay, global_batch=2, micro_batch=1, gpus_per_node=8)["compute"],
+        ...           global_batch=2), 2)
+        0.52
+    """
+    L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
+    n_gpus = layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]
+    total = sum(stage_params(shape, layout["pp"], st, tp=1) for st in range(layout["pp"]))
+    return (6 * total + 12 * L * h * s) * global_batch * s / (seconds * n_gpus * hardware["flops"])
+
+
 def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, global_batch: int,
             micro_batch: int = 1, precision: str = "mixed", usable: float = USABLE,
             hardware: dict = H100_NODE, cps: tuple[int, ...] = (1,)) -> list[dict]:
