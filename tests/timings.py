@@ -27,6 +27,13 @@ def read(path: Path) -> list[dict]:
     return cases
 
 
+def wall(path: Path) -> float | None:
+    """A tier's wall-clock seconds: its test suite's ``time`` (with pytest-xdist less than the sum of its tests,
+    which ran side by side); None where the file does not say."""
+    suite = next(ET.parse(path).getroot().iter("testsuite"), None)
+    return None if suite is None or suite.get("time") is None else float(suite.get("time"))
+
+
 def notebook_of(case: dict) -> str:
     """nbval names a cell's case after its notebook (classname notebooks.NN_name, or the file attribute)."""
     text = case["file"] or case["id"]
@@ -38,14 +45,18 @@ def table(junit: Path = JUNIT) -> str:
     runs = {tier: read(junit / f"{tier}.xml") for tier in TIERS if (junit / f"{tier}.xml").exists()}
     if not runs:
         return f"no JUnit files under {junit}: run `make test` first"
-    lines = [f"{'tier':<8}{'tests':>7}{'failed':>8}{'skipped':>9}{'seconds':>9}", "-" * 41]
+    lines = [f"{'tier':<8}{'tests':>7}{'failed':>8}{'skipped':>9}{'test s':>9}{'wall s':>9}", "-" * 50]
+    walls = {}
     for tier, cases in runs.items():
         failed = sum(c["outcome"] in ("failure", "error") for c in cases)
         skipped = sum(c["outcome"] == "skipped" for c in cases)
-        lines.append(f"{tier:<8}{len(cases):>7}{failed:>8}{skipped:>9}{sum(c['seconds'] for c in cases):>9.0f}")
+        summed = sum(c["seconds"] for c in cases)
+        walls[tier] = wall(junit / f"{tier}.xml") or summed
+        lines.append(f"{tier:<8}{len(cases):>7}{failed:>8}{skipped:>9}{summed:>9.0f}{walls[tier]:>9.0f}")
     total = sum(c["seconds"] for cases in runs.values() for c in cases)
-    lines += ["-" * 41, f"{'all':<8}{sum(map(len, runs.values())):>7}{'':>17}{total:>9.0f}", "",
-              "ten slowest tests (fast and slow tiers):"]
+    lines += ["-" * 50, f"{'all':<8}{sum(map(len, runs.values())):>7}{'':>17}{total:>9.0f}{sum(walls.values()):>9.0f}",
+              "(test s: the tests' own seconds added up; wall s: the tier's clock, less where xdist ran tests side by "
+              "side)", "", "ten slowest tests (fast and slow tiers):"]
     tests = [(c["seconds"], tier, c["id"]) for tier, cases in runs.items() if tier != "nbval" for c in cases]
     for seconds, tier, name in sorted(tests, reverse=True)[:10]:
         lines.append(f"  {seconds:7.1f} s  {tier:<5} {name}")
