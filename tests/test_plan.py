@@ -178,8 +178,8 @@ def test_context_parallelism_splits_the_sequence_and_shares_the_weights_like_dp(
 
 def test_llama3_405b_at_131k_tokens_needs_context_parallelism_and_its_layout_fits():
     """Llama 3 405B's long-context stage: 16,384 GPUs, TP 8, CP 16, PP 16 (so DP 8), 16M tokens a step = 128
-    sequences of 131,072 (the SC'24 slide of Llama 3's hyperparameters; the paper's Table 4). By the formulas no layout
-    without context parallelism fits in 80 GB, and the authors' fits."""
+    sequences of 131,072 (Llama 3's hyperparameters as Balaji's SC'24 slide gives them; the paper's Table 4 not
+    checked here). By the formulas no layout without context parallelism fits in 80 GB, and the authors' fits."""
     shape = dict(vocab=128256, seq_len=131072, n_layer=126, n_head=128, n_kv_head=8, d_model=16384, attention="sdpa")
     fits = plan.propose(shape, gpu_bytes=80e9, n_gpus=16384, gpus_per_node=8, global_batch=128,
                         cps=(1, 2, 4, 8, 16, 32))
