@@ -189,13 +189,14 @@ def mesh_layouts(shape: dict, n_gpus: int, gpus_per_node: int, global_batch: int
     """:func:`layouts` with context parallelism: every (dp, cp, tp, pp, microbatches) for ``cp`` in ``cps`` whose
     zig-zag chunks split the sequence (``2 cp`` of them, notebook 12), with dp = n_gpus / (cp tp pp): the cp ranks
     of a dp rank share its sequences, so dp alone divides the global batch."""
+    pps = [p for p in range(1, shape["n_layer"] + 1) if stage_sizes(shape["n_layer"], p)]
     for cp in cps:
         if cp < 1 or (cp > 1 and shape["seq_len"] % (2 * cp)):
             continue
         for tp in _divisors(gpus_per_node):
             if shape["n_head"] % tp:
                 continue
-            for pp in (p for p in range(1, shape["n_layer"] + 1) if stage_sizes(shape["n_layer"], p)):
+            for pp in pps:
                 if n_gpus % (cp * tp * pp):
                     continue
                 dp = n_gpus // (cp * tp * pp)
@@ -212,6 +213,16 @@ def mesh_layouts(shape: dict, n_gpus: int, gpus_per_node: int, global_batch: int
 # efficiency: the fraction of peak a well-tuned run reaches, Megatron-LM's 52% (163 of 312 TFLOP/s per A100,
 # Narayanan et al. 2021, arXiv:2104.04473, Sec. 5.1): an assumption, stated, not a measurement of this machine.
 H100_NODE = dict(flops=989e12, efficiency=0.52, nvlink=450e9, network=50e9)
+
+
+def model_flops(shape: dict, pp: int, global_batch: int) -> dict:
+    """A step's FLOPs by Narayanan et al. 2021's count (Sec. 5.1), forward and backward, no recomputation: ``total``,
+    ``6 N + 12 L h s`` per token over ``global_batch`` sequences of ``s`` tokens (N: every stage's parameters), and
+    its ``attention`` scores' part, ``12 L h s`` per token."""
+    L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
+    tokens = global_batch * s
+    n = sum(stage_params(shape, pp, st, tp=1) for st in range(pp))
+    return {"total": (6 * n + 12 * L * h * s) * tokens, "attention": 12 * L * h * s * tokens}
 
 
 def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: int, gpus_per_node: int,
@@ -234,12 +245,11 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
       only what outlasts the attention's own compute (its ``12 L h s`` FLOPs per token) is ``cp_exposed``;
     * the pipeline's point-to-point sends overlap other micro-batches' compute and are left out.
     """
-    L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
     dp, tp, pp, m = layout["dp"], layout["tp"], layout["pp"], layout["microbatches"]
     cp = layout.get("cp", 1)
     n_gpus = dp * tp * pp * cp
-    total = sum(stage_params(shape, pp, st, tp=1) for st in range(pp))
-    flops = (6 * total + 12 * L * h * s) * global_batch * s * (4 / 3 if layout["checkpoint"] == "full" else 1)
+    model = model_flops(shape, pp, global_batch)
+    flops = model["total"] * (4 / 3 if layout["checkpoint"] == "full" else 1)
     bubble = (pp - 1) / (m + pp - 1)
     compute = flops / (n_gpus * hardware["flops"] * hardware["efficiency"]) / (1 - bubble)
     comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m, precision=precision,
@@ -251,15 +261,15 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     hidden_behind = {0: backward / m, 1: backward / m, 2: backward, 3: busy}[layout["zero"]]
     exposed = max(0.0, dp_s - hidden_behind)
     cp_s = comm.get("cp", 0.0) / (hardware["nvlink"] if tp * cp <= gpus_per_node else hardware["network"])
-    cp_exposed = max(0.0, cp_s - busy * 12 * L * h * s / (6 * total + 12 * L * h * s))
+    cp_exposed = max(0.0, cp_s - busy * model["attention"] / model["total"])
     return dict(compute=compute, bubble=bubble, tp=tp_s, dp=dp_s, dp_exposed=exposed, cp=cp_s, cp_exposed=cp_exposed,
                 total=compute + tp_s + exposed + cp_exposed)
 
 
 def mfu(shape: dict, layout: dict, seconds: float, *, global_batch: int, hardware: dict = H100_NODE) -> float:
-    """Model FLOPs utilisation of a step that takes ``seconds``: the model's FLOPs (:func:`step_seconds`'s
-    ``6 N + 12 L h s`` per token, recomputation not counted: it is work the model did not need) over what the
-    layout's GPUs could do at peak in that time, the figure papers report (Llama 3: 38-43%).
+    """Model FLOPs utilisation of a step that takes ``seconds``: the model's FLOPs (:func:`model_flops`, recomputation
+    not counted: it is work the model did not need) over what the layout's GPUs could do at peak in that time, the
+    figure papers report (Llama 3: 38-43%).
 
         >>> shape = dict(vocab=8, seq_len=4, n_layer=2, n_head=2, d_model=4)
         >>> lay = dict(dp=2, tp=1, pp=1, zero=0, checkpoint="none", microbatches=1)
@@ -267,10 +277,8 @@ def mfu(shape: dict, layout: dict, seconds: float, *, global_batch: int, hardwar
         ...           global_batch=2), 2)
         0.52
     """
-    L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
     n_gpus = layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]
-    total = sum(stage_params(shape, layout["pp"], st, tp=1) for st in range(layout["pp"]))
-    return (6 * total + 12 * L * h * s) * global_batch * s / (seconds * n_gpus * hardware["flops"])
+    return model_flops(shape, layout["pp"], global_batch)["total"] / (seconds * n_gpus * hardware["flops"])
 
 
 def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, global_batch: int,
