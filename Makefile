@@ -111,6 +111,7 @@ translate: setup       ## Chinese edition: update translations/zh_CN/*.po from t
 
 bench: setup           ## benchmarks: printed ratios, not pass/fail tests
 	$(PY) benchmarks/bench_launcher.py
+	$(PY) benchmarks/bench_side_by_side.py
 	$(PY) benchmarks/bench_ds_startup.py
 	$(PY) benchmarks/bench_ddp.py
 	$(PY) benchmarks/bench_ds_first_launch.py

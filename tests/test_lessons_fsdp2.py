@@ -177,3 +177,32 @@ def test_the_comparison_plot_gives_model_states_their_own_panel():
     assert states.get_ylim()[1] < 20  # scaled to the states, not to the hundreds of MiB of process memory
     curves = {label: [1.0] * 12 for label in ("FSDP2", "ZeRO-3", "DDP", "resumed")}
     assert len(lesson.plot_losses(dict(curves, **{"one process": [1.0] * 24}), cfg).axes[0].lines) == 5
+
+
+def test_the_other_runs_go_side_by_side_and_each_resume_after_every_save(monkeypatch):
+    """Section 3's six runs: results by label in the order given; no run that loads a checkpoint starts before every
+    run that might save one has ended (stand-in launches, recorded with their start and end)."""
+    import threading
+    import time
+
+    from helpers import launch
+
+    events, lock = [], threading.Lock()
+
+    def fake_torchrun(script, nproc=None, args=(), **kw):
+        with lock:
+            events.append(("start", kw["name"]))
+        time.sleep(0.02)
+        with lock:
+            events.append(("end", kw["name"]))
+        return (kw["name"], nproc)
+
+    monkeypatch.setattr(launch, "torchrun", fake_torchrun)
+    more = {"one process": (1, ["--steps", 2]), "resumed": (3, ["--load-dir", "ckpt/FSDP2"]),
+            "bf16": (2, ["--bf16"]), "FSDP2 fp64": (2, ["--save-dir", "ckpt/FSDP2_fp64"]),
+            "resumed fp64": (3, ["--load-dir", "ckpt/FSDP2_fp64"])}
+    runs = lesson.launch_more("course/fsdp2_cifar10.py", more, timeout=1)
+    assert list(runs) == list(more) and runs["resumed"] == ("07_resumed", 3)
+    first_resume = min(i for i, (kind, name) in enumerate(events) if kind == "start" and "resumed" in name)
+    ended = {name for kind, name in events[:first_resume] if kind == "end"}
+    assert ended == {"07_one_process", "07_bf16", "07_FSDP2_fp64"}

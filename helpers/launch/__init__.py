@@ -23,7 +23,7 @@ as ``machine=``; :mod:`~helpers.launch.spec` checks a launch's arguments against
 it (the whole run, whatever is left of it), holds the stop button while it does, and ends a run whose kernel died;
 :mod:`~helpers.launch.diagnose` says which rank failed and why; :mod:`~helpers.launch.nodes` plays the nodes of a
 multi-node job on one machine; :mod:`~helpers.launch.plain` runs a script the way ``python script.py`` in a terminal
-would, bounded and cleaned up.
+would, bounded and cleaned up; :mod:`~helpers.launch.together` runs independent launches side by side on a CPU.
 """
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ from .environment import _new_run_dir, free_port, rank_env, runs_root
 from .machine import Machine
 from .machine import ephemeral_port_range as _ephemeral_port_range  # noqa: F401  (tests compare ports with it)
 from .plain import PlainRun, python
+from . import together
 from .session import _Session, kill_tree
 from .spec import PROJECT_ROOT, LaunchError, LaunchSpec, _check_args  # _check_args, _SECONDARY: tests use them
+from .together import side_by_side
 
 
 @dataclass
@@ -204,10 +206,12 @@ def _launch(spec: LaunchSpec, command_for) -> Run:
     (run_dir / "env.json").write_text(json.dumps(record, indent=2))
 
     session = _Session(cmd, rank_env_, run_dir, spec.nproc, spec.show, rank_log_dir)
+    together.follow_here(session)  # side_by_side's threads: the stop button reaches the main thread only
     error = None
     try:
         session.follow(spec.script, spec.timeout, spec.stall_timeout)
     finally:
+        together.forget(session)
         duration = session.elapsed()
         session.close()
         if session.status not in ("ok", "running"):

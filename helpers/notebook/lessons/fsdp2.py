@@ -162,6 +162,23 @@ def claim_meta_init(model, make_model, *, was_meta: bool, seed: int = 0) -> None
 # ---------------------------------------------------------------------------------------- 4. the same losses
 
 
+def launch_more(script: str, more: dict, **kw) -> dict:
+    """Section 3's other runs of ``script``, ``{label: (nproc, args)}``: ``{label: Run}`` in the order given. Nobody
+    reads their timings, so on a CPU they go two at a time (:func:`helpers.launch.side_by_side`); a run that resumes
+    (``--load-dir``) starts after every run that does not, so the checkpoint it reads exists."""
+    from ... import launch
+
+    def start(label):
+        n, args = more[label]
+        return lambda: launch.torchrun(script, nproc=n, args=args, name="07_" + label.replace(" ", "_"), **kw)
+
+    done = {}
+    resumes = [label for label, (_, args) in more.items() if "--load-dir" in map(str, args)]
+    for batch in ([label for label in more if label not in resumes], resumes):
+        done.update(zip(batch, launch.side_by_side(*map(start, batch))))
+    return {label: done[label] for label in more}
+
+
 def claim_losses(runs: dict, cfg: Settings) -> dict:
     """:func:`claim_same_losses` for the notebook's runs (labels of the notebook's launch cells); returns the curves
     by label, for the plot."""

@@ -162,15 +162,19 @@ def run(plan: Plan, scripts: dict | None = None, *, timeout: float = 600) -> dic
     scripts = {**SCRIPTS, **(scripts or {})}
     common = ["--dataset", "synthetic", "--train-size", 4 * STEPS * plan.nproc, "--batch-size", 4,
               "--model", "memory", "--params", plan.params, "--depth", DEPTH, "--steps", STEPS, "--skip-steps", 0]
-    outcome = {}
-    for label in ("DDP", "ZeRO-3", "FSDP2"):
-        try:
-            outcome[label] = launch.torchrun(scripts[label], nproc=plan.nproc, args=common + FRAMEWORK_ARGS[label],
-                                             env=plan.env(label), timeout=timeout, stall_timeout=180, show="none",
-                                             name=f"07_memcap_{label.lower()}")
-        except launch.LaunchError as error:
-            outcome[label] = error
-    return outcome
+
+    def start(label):
+        def go():
+            try:
+                return launch.torchrun(scripts[label], nproc=plan.nproc, args=common + FRAMEWORK_ARGS[label],
+                                       env=plan.env(label), timeout=timeout, stall_timeout=180, show="none",
+                                       name=f"07_memcap_{label.lower()}")
+            except launch.LaunchError as error:
+                return error
+        return go
+
+    labels = ("DDP", "ZeRO-3", "FSDP2")  # untimed, each under its own cap: side by side on a CPU
+    return dict(zip(labels, launch.side_by_side(*map(start, labels))))
 
 
 def named_line(error) -> str | None:
