@@ -24,7 +24,11 @@ def module_runs_root(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def children_before() -> set[int]:
-    """PIDs of this process's descendants before the test launches anything."""
+    """PIDs of this process's descendants before the test launches anything (the warm launcher's server among them:
+    it lives as long as this process, helpers/launch/warm.py)."""
+    from helpers.launch import warm
+
+    warm.warm_up()
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 

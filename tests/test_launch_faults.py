@@ -287,10 +287,11 @@ def test_keyboard_interrupt_propagates_and_kills_every_rank(runs_root, children_
 def test_killed_launcher_process_raises_and_leaves_no_orphan_ranks(runs_root, children_before):
     done = threading.Event()
 
-    def kill_torchrun():
-        for child in psutil.Process().children():
-            if "torch.distributed.run" in " ".join(child.cmdline()):
-                child.kill()
+    def kill_torchrun():  # the ranks' parent: a fresh interpreter or a fork of the warm server (launch/warm.py)
+        for p in psutil.Process().children(recursive=True):
+            if str(STEPS) in " ".join(p.cmdline()):
+                p.parent().kill()
+                return
 
     when_ranks_reach(runs_root, 10, kill_torchrun, done)  # late enough that the PID lines were forwarded
     start = time.monotonic()

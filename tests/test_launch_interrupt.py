@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers.launch import warm
 from helpers.launch.processes import _StopButton
 from helpers.launch.spec import PROJECT_ROOT
 from helpers.rank import metrics
@@ -154,7 +155,8 @@ def press(driver: Driver, again_after: tuple[float, ...] = ()) -> float:
 
 def assert_nothing_left(driver: Driver, run_dir: Path | None) -> None:
     """Every process of the run is gone (a zombie counts as gone: it has exited, its parent has yet to reap it)."""
-    seen = [p for p in driver.seen.values() if p.pid != driver.proc.pid]
+    # the warm launcher's server lives as long as the driver (helpers/launch/warm.py); the launchers it forks do not
+    seen = [p for p in driver.seen.values() if p.pid != driver.proc.pid and not warm.is_server(p)]
     left = [(p.pid, p.name()) for p in seen if _alive(p)]
     assert not left, f"processes started by the launch still alive: {left}"
     if run_dir is None:

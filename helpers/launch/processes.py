@@ -156,11 +156,11 @@ class _StopButton:
 # chance to kill anything, and its launcher, in a session of its own, would go on training with nobody to read it.
 # So a thread in the launcher's own process looks for its parent twice a second; once the parent is gone it kills
 # every process below (the ranks, in sessions of their own, and theirs) and ends the launcher. Not a SIGTERM the
-# launcher would handle itself: torchrun's handling of it stops the ranks but can hang afterwards.
-_PARENT_WATCH = """
+# launcher would handle itself: torchrun's handling of it stops the ranks but can hang afterwards. A launcher forked by
+# the warm server (helpers/launch/warm.py) runs the same watch on the server, which watches the kernel.
+WATCH_PARENT = """
 import os, sys, threading, time
-parent = int(sys.argv[1])
-def watch():
+def watch(parent):
     while os.getppid() == parent:
         time.sleep(0.5)
     import psutil
@@ -172,7 +172,9 @@ def watch():
                 pass
         time.sleep(0.05)
     os._exit(1)
-threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+"""
+_PARENT_WATCH = WATCH_PARENT + """
+threading.Thread(target=watch, args=(int(sys.argv[1]),), daemon=True, name="parent-watch").start()
 mode, target, *rest = sys.argv[2:]
 if mode == "-c":
     import __main__

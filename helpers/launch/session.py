@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from ..rank import metrics as _metrics
+from . import warm
 from .processes import EXIT_S, _descendants, _parent_watched, _signal_group, _StopButton, kill_run
 from .processes import kill_tree  # noqa: F401  (plain.py and the package take it from here)
 from .spec import PROJECT_ROOT
@@ -115,8 +116,10 @@ class _Session:
         self.stop_button = _StopButton()
         self.proc = None
         try:
-            self.proc = subprocess.Popen(_parent_watched(cmd), env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            # forked from a server that has imported torch already (helpers/launch/warm.py), else a fresh interpreter
+            self.proc = warm.start(cmd, env, str(PROJECT_ROOT)) or subprocess.Popen(
+                _parent_watched(cmd), env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             try:
                 self.launcher = psutil.Process(self.proc.pid)
             except psutil.Error:
