@@ -224,7 +224,7 @@ def claim_warmup(curves: dict, *, lr: float, warmup_steps: int) -> dict:
           max(n_ddp, n_ds) < spike and max(max(ddp["loss"]), max(ds["loss"])) < max(loss_plain),
           measured=f"largest loss {max(ddp['loss']):.2f} / {max(ds['loss']):.2f} vs {max(loss_plain):.2f} without")
     claim("with warmup, the last 10 steps average a lower loss than without", _tail(ddp["loss"]) < _tail(loss_plain))
-    claim("the DeepSpeed bf16 run with warmup also ends below the run without", _tail(ds["loss"]) < _tail(loss_plain))
+    claim("the DeepSpeed run with warmup also ends below the run without", _tail(ds["loss"]) < _tail(loss_plain))
     return {"spike": spike, "peak_ddp": (k_ddp, n_ddp, lr_ddp), "peak_ds": (k_ds, n_ds, lr_ds)}
 
 
