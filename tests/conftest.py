@@ -28,7 +28,7 @@ def children_before() -> set[int]:
     it lives as long as this process, helpers/launch/warm.py)."""
     from helpers.launch import warm
 
-    warm.warm_up()
+    warm.warm_up(wait=True)
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 

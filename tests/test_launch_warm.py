@@ -30,7 +30,7 @@ def _run(code: str, *args, **kw) -> tuple[int, str]:
 def server():
     if not warm.enabled():
         pytest.skip("warm launches are off here (HELPERS_WARM_LAUNCH=0, or no Unix fd passing)")
-    warm.warm_up()
+    warm.warm_up(wait=True)
 
 
 def test_a_fork_sees_its_own_arguments_directory_and_environment(tmp_path):
@@ -83,6 +83,7 @@ def test_the_server_and_its_launchers_die_with_the_process_that_launched(tmp_pat
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import os, sys, time
         from helpers.launch import warm
+        warm.warm_up(wait=True)
         code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); time.sleep(60)"
         p = warm.start([sys.executable, '-c', code], dict(os.environ), '/')
         print(p.pid, p.stdout.readline().decode().strip(), warm._server.proc.pid, flush=True)
@@ -98,6 +99,25 @@ def test_the_server_and_its_launchers_die_with_the_process_that_launched(tmp_pat
     while time.monotonic() < deadline and any(_alive(p) for p in (launcher, child, server)):
         time.sleep(0.1)
     assert not any(_alive(p) for p in (launcher, child, server))
+
+
+def test_a_launch_never_waits_for_a_server_still_importing_torch():
+    """The first launch of a process finds its server still starting: it is told to start a fresh interpreter at
+    once (a press of the stop button would otherwise wait out the server's import of torch), and a later launch, once
+    the server is ready, is forked from it."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, sys, time
+        from helpers.launch import warm
+        t = time.monotonic()
+        first = warm.start([sys.executable, '-c', 'pass'], dict(os.environ), '/')
+        took = time.monotonic() - t
+        ready = warm.warm_up(wait=True)
+        later = warm.start([sys.executable, '-c', 'pass'], dict(os.environ), '/')
+        print(first is None, f"{took:.2f}", ready, later is not None and later.wait(timeout=30) == 0)
+    """)], capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    first_cold, took, ready, later_warm = out.stdout.split()
+    assert (first_cold, ready, later_warm) == ("True", "True", "True"), out.stderr
+    assert float(took) < 0.5, f"the first launch waited {took}s for the server"
 
 
 def _alive(pid: int) -> bool:

@@ -3,9 +3,10 @@
 Every launch begins with one process, torchrun's agent (or DeepSpeed's per-node launcher), and its first two seconds
 are ``import torch`` while no rank exists yet. The ranks then import torch themselves, as they must. This module
 starts, on a process's first launch, one server that imports ``torch.distributed.run`` and nothing else runs; each
-launch after that asks it over a Unix socket for a *fork* of itself that runs the same ``python -c CODE ...`` command
-line the launch would have started: torch's own ``torch.distributed.run.main()`` (or DeepSpeed's launcher), with the
-launch's arguments, environment and working directory, its output into the launch's pipe, in a session of its own.
+launch that finds it ready (until then, launches start fresh interpreters: none waits for it) asks it over a Unix
+socket for a *fork* of itself that runs the same ``python -c CODE ...`` command line the launch would have started: torch's own ``torch.distributed.run.main()`` (or DeepSpeed's
+launcher), with the launch's arguments, environment and working directory, its output into the launch's pipe, in a
+session of its own.
 Only the interpreter's start-up and the import are skipped; everything from the agent on is the same code.
 benchmarks/bench_launcher.py times it against bare ``torchrun`` (with ``HELPERS_WARM_LAUNCH=0``: the cold start).
 
@@ -58,19 +59,29 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def connect(self) -> socket.socket | None:
-        deadline = time.monotonic() + START_S
-        while self.alive() and time.monotonic() < deadline:
+    def ready(self, wait: float = 0.0) -> bool:
+        """Whether the server has imported torch and listens, waiting up to ``wait`` seconds for it."""
+        deadline = time.monotonic() + wait
+        while self.alive():
             if os.path.exists(self.path + ".ready"):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    s.connect(self.path)
-                    return s
-                except OSError:
-                    s.close()
-                    return None
+                return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.02)
-        return None
+        return False
+
+    def connect(self) -> socket.socket | None:
+        """A connection, only if the server is ready now: a launch never waits for the server's import of torch (a
+        press of the stop button would wait with it), it starts a fresh interpreter instead."""
+        if not self.ready():
+            return None
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.path)
+            return s
+        except OSError:
+            s.close()
+            return None
 
 
 def _get_server() -> _Server | None:
@@ -100,16 +111,18 @@ def is_server(p) -> bool:
         return False
 
 
-def warm_up() -> None:
-    """Start the server now (it imports torch in the background), so that the first launch finds it ready."""
-    if enabled():
-        _get_server()
+def warm_up(wait: bool = False) -> bool:
+    """Start the server now (it imports torch in the background), so that a later launch finds it ready; with
+    ``wait``, return once it is (up to START_S seconds). Whether it is ready."""
+    server = _get_server() if enabled() else None
+    return server is not None and server.ready(START_S if wait else 0.0)
 
 
 def start(cmd: list[str], env: dict, cwd: str) -> WarmProcess | None:
-    """Fork ``cmd`` (``[sys.executable, "-c", CODE, *args]``, ``-u`` allowed before ``-c``) from the warm server with ``env`` and ``cwd``; None when
-    warm starts are off, the command is another kind, the environment differs from the server's where an import
-    reads it, or the server cannot be reached (the caller then starts a fresh process)."""
+    """Fork ``cmd`` (``[sys.executable, "-c", CODE, *args]``, ``-u`` allowed before ``-c``) from the warm server
+    with ``env`` and ``cwd``; None when warm starts are off, the command is another kind, the environment differs
+    from the server's where an import reads it, or the server is not ready or cannot be reached (the caller then
+    starts a fresh process)."""
     unbuffered = len(cmd) > 1 and cmd[1] == "-u"  # DeepSpeed's launcher: `python -u -c ...`
     if unbuffered:
         cmd = [cmd[0], *cmd[2:]]
