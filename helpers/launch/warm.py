@@ -4,9 +4,9 @@ Every launch begins with one process, torchrun's agent (or DeepSpeed's per-node 
 are ``import torch`` while no rank exists yet. The ranks then import torch themselves, as they must. This module
 starts, on a process's first launch, one server that imports ``torch.distributed.run`` and nothing else runs; each
 launch that finds it ready (until then, launches start fresh interpreters: none waits for it) asks it over a Unix
-socket for a *fork* of itself that runs the same ``python -c CODE ...`` command line the launch would have started: torch's own ``torch.distributed.run.main()`` (or DeepSpeed's
-launcher), with the launch's arguments, environment and working directory, its output into the launch's pipe, in a
-session of its own.
+socket for a *fork* of itself that runs the same ``python -c CODE ...`` command line the launch would have
+started: torch's own ``torch.distributed.run.main()`` (or DeepSpeed's launcher), with the launch's arguments,
+environment and working directory, its output into the launch's pipe, in a session of its own.
 Only the interpreter's start-up and the import are skipped; everything from the agent on is the same code.
 benchmarks/bench_launcher.py times it against bare ``torchrun`` (with ``HELPERS_WARM_LAUNCH=0``: the cold start).
 
