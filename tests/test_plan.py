@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.calc import activations, cp, memory, plan
+from helpers.calc import activations, cp, memory, plan, stages
 from helpers.rank.gpt import GPTConfig, parameter_count
 
 TINY = dict(vocab=29, seq_len=32, n_layer=4, n_head=4, d_model=32, attention="math")
@@ -191,8 +191,9 @@ def test_llama3_405b_at_131k_tokens_needs_context_parallelism_and_its_layout_fit
 def test_the_examples_in_the_docstrings_hold():
     import doctest
 
-    failed, attempted = doctest.testmod(plan)
-    assert attempted >= 3 and failed == 0
+    for module, examples in ((plan, 1), (stages, 3)):
+        failed, attempted = doctest.testmod(module)
+        assert attempted >= examples and failed == 0, module.__name__
 
 
 def test_mfu_is_the_efficiency_less_what_the_bubble_recomputation_and_exposed_traffic_take():
@@ -258,3 +259,113 @@ def test_llama3_405b_interleaved_keeps_its_uneven_stages_and_beats_1f1b_in_the_m
                if f["layout"]["schedule"] == "interleaved")
     with pytest.raises(ValueError, match="schedule must be one of"):
         plan.propose(shape, gpu_bytes=80e9, n_gpus=16384, gpus_per_node=8, global_batch=2048, schedules=("zbv",))
+
+
+# DeepSeek-V3 as the course GPT can be shaped to it (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 4.2 and 3.2):
+# 61 layers of d 7168 and 128 heads, the first 3 dense (SwiGLU FFN 18432), the others 1 shared and 256 routed experts
+# of FFN 2048, top-8; vocabulary 129280; pre-trained at 4096 tokens. Its multi-token-prediction module's block is
+# counted as a 62nd layer (its embedding and head are shared with the main model's). The course GPT's attention is
+# multi-head (4 h^2) where DeepSeek-V3's is multi-head latent attention (187 M parameters a layer against 205 M).
+DEEPSEEK_V3 = dict(vocab=129280, seq_len=4096, n_layer=62, n_head=128, d_model=7168, attention="sdpa",
+                   moe=dict(experts=256, top_k=8, ffn=2048, shared=1, dense_layers=3, dense_ffn=18432, matrices=3))
+
+
+def _course_moe(shape: dict, experts: int, top_k: int) -> dict:
+    """Notebook 13's model: every block's MLP (the course GPT's, f = 4 h) replaced by ``experts`` of them."""
+    return dict(shape, moe=dict(experts=experts, top_k=top_k, ffn=4 * shape["d_model"], dense_ffn=4 * shape["d_model"]))
+
+
+@pytest.mark.parametrize("experts, top_k, ep", [(4, 1, 1), (4, 2, 2), (8, 2, 4)])
+def test_a_mixture_of_experts_counts_as_notebook_13_and_its_model_count(experts, top_k, ep):
+    """The course MoE GPT's parameters by the planner equal chapter 13's count (helpers.calc.moe.parameters) and
+    what helpers.rank.moe builds: all experts in total, top-k of them active, E / ep on an EP rank."""
+    from helpers.calc import moe
+    from helpers.rank.gpt import GPT
+    from helpers.rank.moe import moeify
+
+    shape = _course_moe(TINY, experts, top_k)
+    L, h = TINY["n_layer"], TINY["d_model"]
+    counts = moe.parameters(plan.stage_params(TINY) - L * 8 * h * h, L, h, experts, top_k, ep)
+    assert (plan.stage_params(shape), plan.active_params(shape), plan.stage_params(shape, ep=ep)) == (
+        counts["total"], counts["active"], counts["per_rank"])
+    cfg = GPTConfig(vocab_size=TINY["vocab"], seq_len=TINY["seq_len"], n_layer=L, n_head=TINY["n_head"], d_model=h)
+    built = moeify(GPT(cfg), experts, top_k, 1.25, seed=0)
+    assert sum(p.numel() for p in built.parameters()) == plan.stage_params(shape)
+    split = plan.stage_param_split(shape, ep=ep)
+    assert split["experts"] == L * experts // ep * 8 * h * h
+    assert sum(plan.stage_params(shape, 2, s, ep=ep) for s in range(2)) == plan.stage_params(shape, ep=ep)
+
+
+def test_deepseek_v3_shaped_holds_its_published_totals():
+    """671 B parameters, 37 B of them a token uses (Sec. 1): the course GPT at DeepSeek-V3's shape holds these within
+    2%, once its 61 main layers are counted with MLA's attention (q down 7168 x 1536, q up 1536 x 128 x 192, kv down
+    7168 x 576, kv up 512 x 128 x 256, out 128 x 128 x 7168: its config's ranks and head sizes) in place of MHA's
+    4 h^2 and without the learned position embedding DeepSeek-V3 does not have (RoPE)."""
+    h = DEEPSEEK_V3["d_model"]
+    mla = 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * 7168
+    main = dict(DEEPSEEK_V3, n_layer=61)
+    as_published = {f: f(main) - 61 * (4 * h * h - mla) - DEEPSEEK_V3["seq_len"] * h
+                    for f in (plan.stage_params, plan.active_params)}
+    assert as_published[plan.stage_params] == pytest.approx(671e9, rel=0.02)
+    assert as_published[plan.active_params] == pytest.approx(37e9, rel=0.02)
+    with pytest.raises(ValueError, match="256 experts do not split over ep 3"):
+        plan.stage_params(DEEPSEEK_V3, ep=3)
+
+
+def test_expert_parallelism_shards_the_experts_their_states_and_adds_the_all_to_alls():
+    """EP ranks are taken from the dp ranks: each holds E / ep experts, whose ZeRO group is dp / ep; per MoE block
+    and micro-batch a rank sends notebook 13's four all-to-alls, 4 T k h e (ep - 1) / ep; ep 1 sends none."""
+    from helpers.calc import moe
+
+    shape = _course_moe(TINY, 8, 2)
+    L, h, s = TINY["n_layer"], TINY["d_model"], TINY["seq_len"]
+    split = plan.stage_param_split(shape, ep=4)
+    got = plan.rank_memory(shape, dp=8, ep=4, zero=1, precision="mixed")[0]
+    assert got["optimizer"] == 12 * split["dense"] / 8 + 12 * split["experts"] / 2
+    assert got["grads"] == 2 * (split["dense"] + split["experts"]) and got["experts"] == split["experts"]
+    with pytest.raises(ValueError, match="ep 4 does not divide the dp x cp = 2 ranks"):
+        plan.rank_memory(shape, dp=2, ep=4)
+    comm = plan.step_comm_bytes(shape, dp=8, ep=4, micro_batch=2, microbatches=3, precision="mixed")
+    one = moe.uniform_bytes_per_layer(2 * s, 2, h, 4, 2)
+    assert comm["ep"] == 3 * L * sum(x[d] for x in one.values() for d in x) == 3 * L * 4 * 2 * s * 2 * h * 2 * 3 / 4
+    assert plan.step_comm_bytes(shape, dp=8, ep=1)["ep"] == 0
+    assert comm["dp"] == 2 * (split["dense"] * 7 / 8 + split["experts"] * 1 / 2) * 2
+    t = plan.step_seconds(shape, dict(dp=8, tp=1, pp=1, zero=1, checkpoint="none", microbatches=3, ep=4),
+                          global_batch=48, micro_batch=2, gpus_per_node=8)
+    assert t["ep"] == pytest.approx(comm["ep"] / plan.H100_NODE["nvlink"]) and t["total"] > t["compute"]
+    dense = plan.step_seconds(TINY, dict(dp=8, tp=1, pp=1, zero=1, checkpoint="none", microbatches=3),
+                              global_batch=48, micro_batch=2, gpus_per_node=8)
+    sparse_flops = plan.model_flops(shape, 1, 48)["total"] - plan.model_flops(TINY, 1, 48)["total"]
+    assert sparse_flops == 6 * 48 * s * L * (h * 8 + 2 * 8 * h * h - 8 * h * h)  # a router and one more expert
+    assert dense["ep"] == 0
+
+
+def test_moe_activations_keep_each_tokens_experts_and_its_rows_going_and_coming():
+    """A MoE block keeps, per token, its top-k and shared experts' hidden activations, its k rows as dispatched and
+    as combined, and the router's fp32 logits and probabilities; a course MoE with one expert and top-1 keeps the
+    dense MLP's 8 s b h and those extras."""
+    shape = _course_moe(TINY, 1, 1)
+    s, b, h, L = TINY["seq_len"], 2, TINY["d_model"], TINY["n_layer"]
+    extra = plan.microbatch_activation_bytes(shape, b) - plan.microbatch_activation_bytes(TINY, b)
+    assert extra == L * (4 * s * b * 2 * h + 4 * s * b * 2 * 1)
+    assert plan.microbatch_activation_bytes(shape, b, checkpoint="full") == plan.microbatch_activation_bytes(
+        TINY, b, checkpoint="full")  # the block's input alone
+    ds = plan.mlp_activation_bytes(DEEPSEEK_V3, 10, 4096, "bf16")
+    assert ds == 2 * 4096 * (9 * 4 * 2048 + 2 * 8 * 7168) + 4 * 4096 * 2 * 256
+    assert plan.mlp_activation_bytes(DEEPSEEK_V3, 0, 4096, "bf16") == 2 * 4096 * 4 * 18432
+
+
+def test_deepseek_v3_layout_fits_where_its_authors_ran_it_and_the_planner_ranks_it():
+    """DeepSeek-V3 on 2,048 H800 (80 GB, 8 a node): PP 16, EP 64 over 8 nodes, ZeRO-1 data parallelism, no TP
+    (Sec. 3.2); 15,360 sequences of 4,096 a step, its final batch size (Sec. 4.2). Stated, not tuned: by the
+    formulas that layout fits, and the planner ranks it among the layouts that fit, on H800s as the paper gives
+    them: NVLink 160 GB/s, InfiniBand 50 GB/s (Sec. 3.2.2), the H100's compute."""
+    h800 = dict(plan.H100_NODE, nvlink=160e9, network=50e9)
+    fits = plan.propose(DEEPSEEK_V3, gpu_bytes=80e9, n_gpus=2048, gpus_per_node=8, global_batch=15360,
+                        hardware=h800)
+    theirs = [f for f in fits if (f["layout"]["pp"], f["layout"]["ep"], f["layout"]["tp"], f["layout"]["zero"]) ==
+              (16, 64, 1, 1)]
+    assert theirs, "DeepSeek-V3's layout fits in 80 GB by the formulas"
+    assert all(f["layout"]["dp"] == 128 for f in theirs)
+    best = theirs[0]
+    assert best["seconds"]["ep"] > 0 and best["stages"][1]["experts"] > 0

@@ -1,32 +1,17 @@
-"""Choosing a layout for a GPT: DP x TP x PP, ZeRO and checkpointing, from the course's formulas. Pure arithmetic.
+"""Choosing a layout for a GPT: DP x CP x TP x PP (x EP for a mixture of experts), ZeRO, the pipeline schedule and
+checkpointing, from the course's formulas. Pure arithmetic.
 
-A *layout* places a GPT (``shape``: vocab, seq_len, n_layer, n_head, d_model, attention) on ``dp x tp x pp`` ranks:
-``pp`` pipeline stages of equal blocks, or one block fewer on the first and last (:func:`stage_sizes`), each stage's
-blocks split over ``tp`` ranks (notebook 09's Megatron plan: the blocks' six weight matrices, ``12 h^2`` per block,
-split; the LayerNorms whole; the embeddings and head whole as in the course's scripts, or split over the vocabulary as
-Megatron-LM does, which :func:`propose` assumes), and ``dp`` copies of that reading different data, their model states
-sharded by ZeRO ``stage`` over the dp ranks. Each step a dp rank runs ``microbatches`` micro-batches of ``micro_batch``
-sequences.
-
-Per rank, by stage (:func:`rank_memory`):
-
-    model states   = ZeRO's formula (:func:`helpers.calc.memory.zero_model_state_bytes`) of the stage's parameters
-                     on one tp rank (:func:`stage_params`), sharded over dp
-    activations    = micro-batches in flight x one micro-batch's bytes of the stage's layers, plus the embeddings'
-                     token ids on the first stage and the head's logits on the last (:mod:`helpers.calc.activations`)
-    in flight      = GPipe: all m (every forward runs before the first backward);
-                     1F1B: min(pp - s, m) on stage s (its warm-up forwards), so at most pp on the first stage
-
-:func:`propose` enumerates the layouts a machine allows (``tp`` a divisor of the GPUs per node and of the heads, ``pp``
-splitting the layers, ``dp`` the rest) and returns those that fit in memory, best first, by the order of the Ultra-Scale
-Playbook's first step, "fit a training step in memory": the fewest model-parallel ranks ``tp x pp`` (data parallelism
-adds the least communication to the critical path); for the same product more TP and less PP, TP inside a node
-(Narayanan et al. 2021, arXiv:2104.04473, takeaway #1: TP up to the GPUs per node, then PP); then the lowest ZeRO stage
-(ZeRO-3 moves 1.5x the bytes of DP); then the least recomputation. With ``pp > 1`` only ZeRO 0 and 1: DeepSpeed's
-pipeline engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
-(``deepspeed/runtime/pipe/engine.py``): they would regather or re-reduce per micro-batch.
-
-:func:`step_comm_bytes`: what one rank sends per step on each axis, by the ring all-reduce's ``2 (n - 1) / n``.
+What one rank of a layout holds is :mod:`helpers.calc.stages` (re-exported here: ``plan.rank_memory`` and the rest).
+This module enumerates the layouts a machine allows (:func:`layouts`, :func:`mesh_layouts`: ``tp`` a divisor of the
+GPUs per node and of the heads, ``pp`` splitting the layers, ``cp`` the sequence, ``dp`` the rest), models a step's
+time on a stated machine (:func:`step_seconds`, :func:`mfu`) from what each axis sends (:func:`step_comm_bytes`, by
+the ring all-reduce's ``2 (n - 1) / n``), and :func:`propose` returns the layouts that fit in memory (the Ultra-Scale
+Playbook's first step, "fit a training step in memory"), fastest first by the model (its step 3), ties broken by the
+fewest model-parallel ranks (data parallelism adds the least communication to the critical path), more TP for the
+same product (Narayanan et al. 2021, arXiv:2104.04473, takeaway #1: TP up to the GPUs per node, then PP), fewer EP
+ranks, the lowest ZeRO stage and the least recomputation. With ``pp > 1`` only ZeRO 0 and 1: DeepSpeed's pipeline
+engine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" (``deepspeed/runtime/pipe/engine.py``):
+they would regather or re-reduce per micro-batch.
 
 Example::
 
@@ -36,163 +21,14 @@ Example::
 """
 from __future__ import annotations
 
-from . import activations, cp as context
-from .memory import PRECISIONS, zero_model_state_bytes
+from . import activations, cp as context, moe as experts_calc
+from .memory import PRECISIONS
+from .stages import (ADAM_STEP_BYTES, SCHEDULES, _blocks, _dtype, _layers, active_params, block_params,  # noqa: F401
+                     bubble, in_flight, is_moe, microbatch_activation_bytes, mlp_activation_bytes, rank_memory,
+                     stage_param_split, stage_params, stage_sizes, stage_tensors)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 USABLE = 0.85  # of a GPU's memory the proposal fills: the rest for the CUDA context, the allocator's fragmentation,
 #               communication buffers and the temporaries of backward, which the formulas do not count
-ADAM_STEP_BYTES = 4  # torch's Adam/AdamW keeps one fp32 step counter per parameter tensor (not in ZeRO's K)
-
-
-def _dtype(precision: str) -> str:
-    return "bf16" if precision == "mixed" else "fp32"
-
-
-def _vocab_rows(vocab: int, tp: int, vocab_parallel: bool) -> int:
-    """The vocabulary rows one TP rank holds of the embedding, the head or the logits: all of them, or with
-    ``vocab_parallel`` its ``ceil(V / tp)`` (the vocabulary padded to a multiple of ``tp``)."""
-    return -(-vocab // tp) if vocab_parallel else vocab
-
-
-def stage_sizes(n_layer: int, pp: int) -> list[int] | None:
-    """Blocks on each of ``pp`` pipeline stages: equal stages, or, where the layers are two short of equal stages,
-    one layer fewer on the first and the last, which also hold the embeddings and the head: Llama 3 405B's 126 layers
-    on 16 stages (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.2). None: neither split exists.
-
-        >>> stage_sizes(8, 4), stage_sizes(126, 16)[:3], stage_sizes(126, 16)[-1], stage_sizes(32, 5)
-        ([2, 2, 2, 2], [7, 8, 8], 7, None)
-    """
-    if pp < 1:
-        return None
-    if n_layer % pp == 0:
-        return [n_layer // pp] * pp
-    if pp > 2 and (n_layer + 2) % pp == 0:
-        per = (n_layer + 2) // pp
-        return [per - 1] + [per] * (pp - 2) + [per - 1]
-    return None
-
-
-def _blocks(shape: dict, pp: int, stage: int, virtual: int = 1) -> int:
-    """Blocks on rank ``stage`` of ``pp``: its stage's, or with ``virtual`` stages per rank (the interleaved schedule)
-    the sum of its chunks ``stage, stage + pp, ...`` of the ``pp x virtual`` (:func:`stage_sizes`)."""
-    sizes = stage_sizes(shape["n_layer"], pp * virtual)
-    if sizes is None:
-        raise ValueError(f"{shape['n_layer']} layers do not split into {pp * virtual} stages, equal or one layer "
-                         f"fewer on the first and the last")
-    return sum(sizes[stage + k * pp] for k in range(virtual))
-
-
-def bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
-    """The idle fraction of a step: ``(p - 1) / (v m + p - 1)``; ``v`` = 1 for GPipe and 1F1B, the stages per rank
-    for the interleaved schedule, whose fill and drain take ``1 / v`` of a stage's time per step (Narayanan et al.
-    2021, arXiv:2104.04473, Sec. 2.2.2)."""
-    return (pp - 1) / (virtual * microbatches + pp - 1)
-
-
-def stage_params(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, vocab_parallel: bool = False,
-                 virtual: int = 1) -> int:
-    """Parameters one rank of pipeline stage ``stage`` (of ``pp``) holds at tensor-parallel degree ``tp``: per block
-    ``12 h^2 / tp + 4 h`` (the six matrices split, two LayerNorms whole), the embeddings ``(V + s) h`` on the first
-    stage, the final LayerNorm ``2 h`` and the untied head ``V h`` on the last. The course's scripts keep the
-    embeddings and the head whole on every TP rank; ``vocab_parallel`` splits both over the vocabulary as Megatron-LM
-    does (its VocabParallelEmbedding, and the head column-parallel): ``ceil(V / tp) h`` each, the vocabulary padded to
-    a multiple of ``tp``; the position embedding stays whole. With ``virtual`` stages per rank (the interleaved
-    schedule) rank ``stage`` holds chunks ``stage, stage + pp, ...``: the embeddings on rank 0, the head on the last.
-
-        >>> stage_params(dict(vocab=10, seq_len=4, n_layer=2, n_head=2, d_model=4))   # helpers.rank.gpt's count
-        520
-        >>> stage_params(dict(vocab=10, seq_len=4, n_layer=2, n_head=2, d_model=4), pp=2, stage=1, tp=2)
-        160
-    """
-    h, v = shape["d_model"], shape["vocab"]
-    if (12 * h * h) % tp:
-        raise ValueError(f"tp {tp} does not divide the blocks' matrices (d_model {h})")
-    blocks = _blocks(shape, pp, stage, virtual)
-    n = blocks * (12 * h * h // tp + 4 * h)
-    rows = _vocab_rows(v, tp, vocab_parallel)
-    if stage == 0:
-        n += (rows + shape["seq_len"]) * h
-    if stage == pp - 1:
-        n += 2 * h + rows * h
-    return n
-
-
-def in_flight(schedule: str, pp: int, stage: int, microbatches: int, virtual: int = 1) -> float:
-    """Micro-batches whose activations rank ``stage`` holds at once, in whole micro-batches through all its layers:
-    GPipe all of them, 1F1B ``min(pp - s, m)``; without a pipeline (``pp`` 1) one: each micro-batch's backward runs
-    before the next forward (accumulation). Interleaved (``virtual`` = v >= 2 chunks per rank): Megatron-LM's
-    warm-up runs ``2 (pp - s - 1) + (v - 1) pp`` chunk forwards before the first backward, so with the one in
-    steady state the rank holds that many chunks plus one, each ``1 / v`` of its layers: ``pp + (pp - 1) / v`` on
-    the first rank, more than 1F1B's ``pp`` (Narayanan et al. 2021, Sec. 2.2.2)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if (virtual > 1) != (schedule == "interleaved"):
-        raise ValueError(f"virtual stages per rank: 2 or more for the interleaved schedule, 1 for the others; got "
-                         f"{virtual} for {schedule}")
-    if pp == 1:
-        return 1
-    if schedule == "interleaved":
-        return min(2 * (pp - stage - 1) + (virtual - 1) * pp + 1, virtual * microbatches) / virtual
-    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
-
-
-def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stage: int = 0, tp: int = 1,
-                                sp: bool = False, dtype: str = "fp32", checkpoint: str = "none",
-                                vocab_parallel: bool = False, cp: int = 1, virtual: int = 1) -> float:
-    """Bytes one micro-batch leaves saved for backward on one rank of ``stage``: its blocks'
-    (:func:`helpers.calc.activations.layer_bytes`), the token and position ids on the first stage, the final
-    LayerNorm, logits, log_softmax and targets on the last (:func:`helpers.calc.activations.head_terms`; with
-    ``vocab_parallel`` each rank's logits cover ``ceil(V / tp)`` of the vocabulary). With context parallelism
-    (``cp`` > 1, notebook 12) all of it at a rank's ``s / cp`` positions, its attention kept as ring attention keeps
-    it, what a flash kernel keeps (:func:`helpers.calc.cp.layer_terms_per_rank`)."""
-    s, b, h = shape["seq_len"] // cp, micro_batch, shape["d_model"]  # a CP rank's positions
-    blocks = _blocks(shape, pp, stage, virtual)
-    attention = shape.get("attention", "math") if cp == 1 else "sdpa"  # ring attention keeps what flash keeps
-    out = blocks * activations.layer_bytes(s, b, h, shape["n_head"], dtype, attention, checkpoint, tp, sp)
-    head = activations.head_terms(s, b, h, _vocab_rows(shape["vocab"], tp, vocab_parallel), dtype)
-    ids = activations.INDEX_BYTES * s * b  # the token ids (first stage) or the targets (last)
-    if stage == 0:
-        out += ids + activations.INDEX_BYTES * s  # and the positions
-    if stage == pp - 1:
-        out += head["final LayerNorm input and output"] + head["logits and log_softmax"] + ids
-    return out
-
-
-def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, checkpoint: str = "none",
-                micro_batch: int = 1, microbatches: int = 1, schedule: str = "1f1b", precision: str = "fp32",
-                sp: bool = False, step_counters: bool = False, vocab_parallel: bool = False, cp: int = 1,
-                virtual: int = 1) -> list[dict]:
-    """Per pipeline stage, what one rank holds at its peak: ``params`` (count), the model states ``params_bytes``,
-    ``grads``, ``optimizer``, ``in_flight`` micro-batches, ``activations`` and ``total`` (bytes). ``step_counters``:
-    add AdamW's fp32 step counter per parameter tensor (:data:`ADAM_STEP_BYTES`, with ``tensors`` per stage
-    from :func:`stage_tensors`), to compare with what torch's optimizer measurably keeps. ``vocab_parallel``: the
-    embeddings and head split over TP as Megatron-LM does (:func:`stage_params`). ``cp``: context-parallel ranks,
-    which hold the same weights as DP ranks do (their gradients are reduced over ``dp x cp``, and ZeRO shards over
-    ``dp x cp``, as torchtitan's FSDP does) and each a ``1 / cp`` share of every sequence's activations.
-    ``virtual``: chunks per rank of the interleaved schedule (a "stage" is then a rank, its chunks together)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    out = []
-    for stage in range(pp):
-        n = stage_params(shape, pp, stage, tp, vocab_parallel, virtual)
-        states = zero_model_state_bytes(n, dp * cp, zero, precision)
-        optimizer = states["optimizer"] + (ADAM_STEP_BYTES * stage_tensors(shape, pp, stage, virtual)
-                                           if step_counters else 0)
-        held = in_flight(schedule, pp, stage, microbatches, virtual)
-        act = held * microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, _dtype(precision), checkpoint,
-                                                 vocab_parallel, cp, virtual)
-        out.append(dict(stage=stage, params=n, params_bytes=states["params"], grads=states["grads"],
-                        optimizer=optimizer, in_flight=held, activations=act,
-                        total=states["params"] + states["grads"] + optimizer + act))
-    return out
-
-
-def stage_tensors(shape: dict, pp: int = 1, stage: int = 0, virtual: int = 1) -> int:
-    """Parameter tensors of a stage: 10 per block (six matrices, two LayerNorms' weight and bias), 2 embeddings
-    on the first stage, the final LayerNorm's two and the head on the last."""
-    n = 10 * _blocks(shape, pp, stage, virtual)
-    return n + (2 if stage == 0 else 0) + (3 if stage == pp - 1 else 0)
 
 
 def _divisors(n: int) -> list[int]:
@@ -240,11 +76,12 @@ H100_NODE = dict(flops=989e12, efficiency=0.52, nvlink=450e9, network=50e9)
 
 def model_flops(shape: dict, pp: int, global_batch: int) -> dict:
     """A step's FLOPs by Narayanan et al. 2021's count (Sec. 5.1), forward and backward, no recomputation: ``total``,
-    ``6 N + 12 L h s`` per token over ``global_batch`` sequences of ``s`` tokens (N: every stage's parameters), and
-    its ``attention`` scores' part, ``12 L h s`` per token."""
+    ``6 N + 12 L h s`` per token over ``global_batch`` sequences of ``s`` tokens (N: the parameters a token uses,
+    :func:`active_params`: all of them, or of a mixture of experts its top-k experts), and its ``attention`` scores'
+    part, ``12 L h s`` per token."""
     L, h, s = shape["n_layer"], shape["d_model"], shape["seq_len"]
     tokens = global_batch * s
-    n = sum(stage_params(shape, pp, st, tp=1) for st in range(pp))
+    n = active_params(shape)
     return {"total": (6 * n + 12 * L * h * s) * tokens, "attention": 12 * L * h * s * tokens}
 
 
@@ -267,10 +104,14 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     * ``cp`` (``layout["cp"]`` > 1): ring attention's blocks (:func:`step_comm_bytes`) over NVLink while ``tp x cp``
       fits in a node, over the network beyond; the ring sends the next block while the current one is attended, so
       only what outlasts the attention's own compute (its ``12 L h s`` FLOPs per token) is ``cp_exposed``;
+    * ``ep`` (``layout["ep"]`` > 1, a mixture of experts): the all-to-alls of :func:`step_comm_bytes` over NVLink
+      while ``tp x cp x ep`` fits in a node, over the network beyond, all of it exposed: a micro-batch's experts
+      wait for its dispatch and its next block for the combine (DeepSeek-V3's DualPipe hides them behind another
+      micro-batch's compute, and its node-limited routing sends each token to at most 4 nodes: neither is modelled);
     * the pipeline's point-to-point sends overlap other micro-batches' compute and are left out.
     """
     dp, tp, pp, m = layout["dp"], layout["tp"], layout["pp"], layout["microbatches"]
-    cp, virtual = layout.get("cp", 1), layout.get("virtual", 1)
+    cp, virtual, ep = layout.get("cp", 1), layout.get("virtual", 1), layout.get("ep", 1)
     n_gpus = dp * tp * pp * cp
     model = model_flops(shape, pp, global_batch)
     flops = model["total"] * (4 / 3 if layout["checkpoint"] == "full" else 1)
@@ -278,7 +119,7 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     compute = flops / (n_gpus * hardware["flops"] * hardware["efficiency"]) / (1 - idle)
     comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m, precision=precision,
                            zero=layout["zero"], vocab_parallel=layout.get("vocab_parallel", False), cp=cp,
-                           virtual=virtual)
+                           virtual=virtual, ep=ep)
     tp_s = comm["tp"] / hardware["nvlink"]
     dp_s = comm["dp"] / (hardware["network"] if n_gpus > gpus_per_node else hardware["nvlink"])
     busy = compute * (1 - idle)  # the compute itself, without the pipeline's idle time
@@ -287,8 +128,9 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     exposed = max(0.0, dp_s - hidden_behind)
     cp_s = comm.get("cp", 0.0) / (hardware["nvlink"] if tp * cp <= gpus_per_node else hardware["network"])
     cp_exposed = max(0.0, cp_s - busy * model["attention"] / model["total"])
+    ep_s = comm.get("ep", 0.0) / (hardware["nvlink"] if tp * cp * ep <= gpus_per_node else hardware["network"])
     return dict(compute=compute, bubble=idle, tp=tp_s, dp=dp_s, dp_exposed=exposed, cp=cp_s, cp_exposed=cp_exposed,
-                total=compute + tp_s + exposed + cp_exposed)
+                ep=ep_s, total=compute + tp_s + exposed + cp_exposed + ep_s)
 
 
 def mfu(shape: dict, layout: dict, seconds: float, *, global_batch: int, hardware: dict = H100_NODE) -> float:
@@ -309,7 +151,7 @@ def mfu(shape: dict, layout: dict, seconds: float, *, global_batch: int, hardwar
 def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, global_batch: int,
             micro_batch: int = 1, precision: str = "mixed", usable: float = USABLE,
             hardware: dict = H100_NODE, cps: tuple[int, ...] = (1,), schedules: tuple[str, ...] = ("1f1b",),
-            virtual: int = 2) -> list[dict]:
+            virtual: int = 2, eps: tuple[int, ...] | None = None) -> list[dict]:
     """The layouts whose largest stage fits in ``usable x gpu_bytes`` per rank (the Playbook's step 1), fastest
     first by :func:`step_seconds` (its step 3); ties by the order of the module docstring, context-parallel ranks
     counted with the model-parallel ones. Each: ``layout`` (dp, cp, tp, pp, zero, checkpoint, sp, microbatches,
@@ -317,27 +159,41 @@ def propose(shape: dict, *, gpu_bytes: float, n_gpus: int, gpus_per_node: int, g
     ``stages`` (:func:`rank_memory`). ``cps``: the context-parallel degrees to consider (:func:`mesh_layouts`).
     ``schedules``: the pipeline schedules to consider where ``pp`` > 1, "1f1b" and "interleaved" (``virtual``
     chunks per rank, where the layers split into ``pp x virtual`` stages and ``pp`` divides the micro-batches, as
-    Megatron-LM requires)."""
+    Megatron-LM requires). ``eps``: the expert-parallel degrees to consider for a mixture of experts (default:
+    every divisor of its experts), each where it divides ``dp x cp``; 1 for a dense model."""
     if n_gpus < 1 or gpus_per_node < 1 or (n_gpus > gpus_per_node and n_gpus % gpus_per_node):
         raise ValueError(f"need n_gpus a multiple of gpus_per_node (or fewer), got {n_gpus} and {gpus_per_node}")
     node = min(gpus_per_node, n_gpus)
+    if eps is None:
+        eps = tuple(_divisors(shape["moe"]["experts"])) if "moe" in shape else (1,)
     fits = []
-    for dp, cp, tp, pp, m, schedule, v in _scheduled(mesh_layouts(shape, n_gpus, node, global_batch, micro_batch,
-                                                                   cps), shape, schedules, virtual):
-        for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
-            for rank, checkpoint in enumerate(activations.CHECKPOINTS):
-                layout = dict(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint, sp=tp > 1, microbatches=m,
-                              schedule=schedule, virtual=v, vocab_parallel=tp > 1)
-                stages = rank_memory(shape, dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint,
-                                     micro_batch=micro_batch, microbatches=m, schedule=schedule, precision=precision,
-                                     sp=tp > 1, vocab_parallel=tp > 1, cp=cp, virtual=v)
-                worst = max(st["total"] for st in stages)
-                if worst <= usable * gpu_bytes:
-                    t = step_seconds(shape, layout, global_batch=global_batch, micro_batch=micro_batch,
-                                     gpus_per_node=node, precision=precision, hardware=hardware)
-                    fits.append(dict(layout=layout, bytes=worst, bubble=t["bubble"], seconds=t, stages=stages,
-                                     key=(round(t["total"], 9), cp * tp * pp, -tp, zero, rank)))
+    meshes = _scheduled(mesh_layouts(shape, n_gpus, node, global_batch, micro_batch, cps), shape, schedules, virtual)
+    for dp, cp, tp, pp, m, schedule, v, ep, zero in _with_ep_and_zero(meshes, shape, eps):
+        for rank, checkpoint in enumerate(activations.CHECKPOINTS):
+            layout = dict(dp=dp, cp=cp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint, sp=tp > 1, microbatches=m,
+                          schedule=schedule, virtual=v, vocab_parallel=tp > 1, ep=ep)
+            stages = rank_memory(shape, dp=dp, tp=tp, pp=pp, zero=zero, checkpoint=checkpoint,
+                                 micro_batch=micro_batch, microbatches=m, schedule=schedule, precision=precision,
+                                 sp=tp > 1, vocab_parallel=tp > 1, cp=cp, virtual=v, ep=ep)
+            worst = max(st["total"] for st in stages)
+            if worst <= usable * gpu_bytes:
+                t = step_seconds(shape, layout, global_batch=global_batch, micro_batch=micro_batch,
+                                 gpus_per_node=node, precision=precision, hardware=hardware)
+                fits.append(dict(layout=layout, bytes=worst, bubble=t["bubble"], seconds=t, stages=stages,
+                                 key=(round(t["total"], 9), cp * tp * pp, -tp, ep, zero, rank)))
     return sorted(fits, key=lambda f: f["key"])
+
+
+def _with_ep_and_zero(scheduled, shape: dict, eps: tuple[int, ...]):
+    """Each of :func:`_scheduled`'s with the expert-parallel degrees (dividing the experts and ``dp x cp``) and the
+    ZeRO stages it allows (0 and 1 with a pipeline): (dp, cp, tp, pp, m, schedule, virtual, ep, zero)."""
+    for mesh in scheduled:
+        dp, cp, pp = mesh[0], mesh[1], mesh[3]
+        for ep in eps:
+            if (dp * cp) % ep or (ep > 1 and ("moe" not in shape or shape["moe"]["experts"] % ep)):
+                continue
+            for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
+                yield (*mesh, ep, zero)
 
 
 def _scheduled(meshes, shape: dict, schedules: tuple[str, ...], virtual: int):
@@ -358,7 +214,7 @@ def _scheduled(meshes, shape: dict, schedules: tuple[str, ...], virtual: int):
 
 def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
                     microbatches: int = 1, precision: str = "fp32", zero: int = 0,
-                    vocab_parallel: bool = False, cp: int = 1, virtual: int = 1) -> dict:
+                    vocab_parallel: bool = False, cp: int = 1, virtual: int = 1, ep: int = 1) -> dict:
     """Bytes one rank sends per step on each axis (for ``dp``, a rank of the first stage, whose embeddings make it
     hold the most parameters, :func:`stage_params` with ``vocab_parallel``; for ``pp``, a middle stage's, which
     sends both ways):
@@ -377,16 +233,29 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
     per block and micro-batch (:func:`helpers.calc.cp.ring_bytes_per_layer`, forward and backward), of the heads
     this TP rank holds, and of ``n_kv_head`` of them where the shape gives it (grouped-query attention: Llama 3
     has 8 K/V heads for 128 query heads, so its blocks are 16x smaller than its width says).
+
+    A mixture of experts (``shape["moe"]``): the routed experts' gradients are reduced over the ``dp x cp / ep``
+    ranks that hold the same experts, the rest over ``dp x cp``; and an ``ep`` entry: per MoE block and micro-batch
+    the four all-to-alls of notebook 13 (dispatch and combine, forward and backward) under balanced routing,
+    ``4 T k h e (ep - 1) / ep`` (:func:`helpers.calc.moe.uniform_bytes_per_layer`), T the tokens this rank routes:
+    the micro-batch's ``s / cp`` positions, ``1 / tp`` of them with TP (sequence parallelism), as Megatron-LM does.
     """
     e = activations.DTYPE_BYTES[_dtype(precision)]
     s, h = shape["seq_len"] // cp, shape["d_model"]
     act = e * s * micro_batch * h
     blocks = max(_blocks(shape, pp, st, virtual) for st in range(pp))  # the stage that holds the most blocks
-    grads = PRECISIONS[precision][1] * stage_params(shape, pp, 0, tp, vocab_parallel, virtual)
-    reduced = dp * cp  # the ranks that hold the same weights
+    split = stage_param_split(shape, pp, 0, tp, vocab_parallel, virtual, ep)
+    reduced = dp * cp  # the ranks that hold the same weights (the same experts: dp x cp / ep of them)
+    times = {0: 2, 1: 2, 2: microbatches, 3: 3 * microbatches}[zero]
+    dp_bytes = sum(PRECISIONS[precision][1] * n * (r - 1) / r * times
+                   for n, r in ((split["dense"], reduced), (split["experts"], reduced // ep)) if n)
     out = {"tp": microbatches * blocks * 4 * act * 2 * (tp - 1) / tp,
            "pp": microbatches * 2 * act * virtual if pp > 1 else 0.0,
-           "dp": grads * (reduced - 1) / reduced * {0: 2, 1: 2, 2: microbatches, 3: 3 * microbatches}[zero]}
+           "dp": dp_bytes}
+    if "moe" in shape:
+        moe_blocks = max(sum(is_moe(shape, i) for i in _layers(shape, pp, st, virtual)) for st in range(pp))
+        exchanges = experts_calc.uniform_bytes_per_layer(s * micro_batch // tp, shape["moe"]["top_k"], h, ep, e)
+        out["ep"] = microbatches * moe_blocks * sum(x[d] for x in exchanges.values() for d in x)
     if cp > 1:
         kv = h * shape.get("n_kv_head", shape["n_head"]) // shape["n_head"] // tp  # K or V features of a TP rank
         ring = context.ring_bytes_per_layer(micro_batch, shape["seq_len"], kv, cp, e)

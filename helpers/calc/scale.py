@@ -20,7 +20,7 @@ from __future__ import annotations
 from . import activations
 from .flags import divisors
 from .memory import zero_model_state_bytes
-from .plan import microbatch_activation_bytes, stage_params, stage_sizes
+from .stages import microbatch_activation_bytes, stage_params, stage_sizes
 
 MODELS = {
     "gpt3-175b": dict(vocab=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288, attention="sdpa"),
