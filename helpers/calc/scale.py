@@ -20,6 +20,7 @@ from __future__ import annotations
 from . import activations
 from .flags import divisors
 from .memory import zero_model_state_bytes
+from .plan import H100_NODE, mfu, propose
 from .stages import microbatch_activation_bytes, stage_params, stage_sizes
 
 MODELS = {
@@ -82,3 +83,58 @@ def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_bat
     act = microbatch_activation_bytes(even, micro_batch, pp, stage, tp, sp, "bf16") + blocks * whole
     return dict(dp=dp, params_count=n, params=states["params"], grads=states["grads"],
                 optimizer=states["optimizer"], blocks=blocks, activations=act)
+
+
+# ------------------------------------------------------------------------------------- published layouts, planned
+
+# Machines as their authors give them. H100 DGX: helpers.calc.plan.H100_NODE. H800: the H100's compute, NVLink
+# 160 GB/s, InfiniBand 50 GB/s a GPU (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.2.2). A100 DGX: 312 TFLOP/s dense
+# bf16, NVLink 3 at 300 GB/s each way, 8 HDR InfiniBand ports of 200 Gb/s a node, 25 GB/s a GPU (Narayanan et al.
+# 2021, Sec. 5).
+H800_NODE = dict(H100_NODE, nvlink=160e9, network=50e9)
+A100_NODE = dict(H100_NODE, flops=312e12, nvlink=300e9, network=25e9)
+
+LLAMA3_405B_GQA = dict(MODELS["llama3-405b"], n_kv_head=8)  # 8 K/V heads: ring attention's blocks (planner only)
+# DeepSeek-V3 as the course GPT can be shaped to it (Sec. 4.2): 61 layers of d 7168 and 128 heads, the first 3 dense
+# (SwiGLU FFN 18432), the others 1 shared and 256 routed experts of FFN 2048, top-8; vocabulary 129280; 4096 tokens.
+# The multi-token-prediction module's block is a 62nd layer (its embedding and head are the model's). The course
+# GPT's attention is MHA (4 h^2, 205 M a layer) where DeepSeek-V3's is MLA (187 M).
+DEEPSEEK_V3 = dict(vocab=129280, seq_len=4096, n_layer=62, n_head=128, d_model=7168, attention="sdpa",
+                   moe=dict(experts=256, top_k=8, ffn=2048, shared=1, dense_layers=3, dense_ffn=18432, matrices=3))
+
+PUBLISHED = (
+    dict(name="Llama 3 405B, 8K tokens", shape=LLAMA3_405B_GQA, gpus=16384, hardware=H100_NODE, global_batch=2048,
+         layout=dict(dp=128, cp=1, tp=8, pp=16), reported_mfu=(0.38, 0.43),
+         source="Llama Team 2024, arXiv:2407.21783, Table 4 (16M tokens a step)"),
+    dict(name="Llama 3 405B, 128K tokens", shape=dict(LLAMA3_405B_GQA, seq_len=131072), gpus=16384,
+         hardware=H100_NODE, global_batch=128, layout=dict(dp=8, cp=16, tp=8, pp=16), reported_mfu=(0.38, 0.38),
+         source="Balaji, SC'24 (Llama 3's hyperparameters; 16M tokens a step)"),
+    dict(name="DeepSeek-V3", shape=DEEPSEEK_V3, gpus=2048, hardware=H800_NODE, global_batch=15360,
+         layout=dict(dp=128, cp=1, tp=1, pp=16, ep=64, zero=1), reported_mfu=None,
+         source="DeepSeek-AI 2024, arXiv:2412.19437, Sec. 3.2 and 4.2"),
+    dict(name="GPT-3 175B, Megatron-LM", shape=MODELS["gpt3-175b"], gpus=1536, hardware=A100_NODE,
+         global_batch=1536, layout=dict(dp=16, cp=1, tp=8, pp=12), reported_mfu=(0.39, 0.39),
+         source="Narayanan et al. 2021, arXiv:2104.04473, Table 1 (52% of peak counting recomputation: 39% MFU)"),
+)
+
+
+def planned(entry: dict, gpu_bytes: float = 80e9, gpus_per_node: int = 8) -> dict:
+    """Where :func:`helpers.calc.plan.propose` places a published layout (``entry`` of :data:`PUBLISHED`): ``fits``
+    (the layouts that fit, fastest first), ``theirs`` (the best-placed of those that match the authors' degrees, any
+    ZeRO stage, schedule or recomputation they did not state, or None when none fits), ``rank`` (its place, from 1),
+    ``mfu`` (the model's, for theirs and for the first) and ``first`` (the planner's choice). Stated, not tuned: the
+    planner knows nothing of the entry but its shape, machine and batch."""
+    shape = entry["shape"]
+    cps = tuple(sorted({1, entry["layout"].get("cp", 1)}))
+    fits = propose(shape, gpu_bytes=gpu_bytes, n_gpus=entry["gpus"], gpus_per_node=gpus_per_node,
+                   global_batch=entry["global_batch"], hardware=entry["hardware"], cps=cps,
+                   schedules=("1f1b", "interleaved"))
+    match = [i for i, f in enumerate(fits) if all(f["layout"].get(k, 1) == v for k, v in entry["layout"].items())]
+    theirs = fits[match[0]] if match else None
+
+    def mfu_of(f):
+        return None if f is None else mfu(shape, f["layout"], f["seconds"]["total"],
+                                          global_batch=entry["global_batch"], hardware=entry["hardware"])
+
+    return dict(fits=fits, theirs=theirs, rank=match[0] + 1 if match else None, mfu=mfu_of(theirs),
+                first=fits[0] if fits else None, first_mfu=mfu_of(fits[0] if fits else None))
