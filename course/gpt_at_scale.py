@@ -27,15 +27,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from helpers.calc import scale
-from helpers.rank.gpt import GPT, GPTConfig
-from helpers.rank.pipeline import Stage
+from helpers.calc import scale, stages
+from helpers.rank.at_scale import build
+from helpers.rank.moe import STATS
 from helpers.rank.runtime import end_rank
 
 KINDS = {"params": _FSDPRefType.SHARDED_PARAM, "grads": _FSDPRefType.SHARDED_GRAD, "optimizer": _FSDPRefType.OPT,
@@ -52,60 +48,30 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (with sequence parallelism above 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--stage", type=int, default=0, help="the stage whose rank 0 is simulated")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp (a MoE model)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
 
-def block_plan() -> dict:
-    """Megatron's split of one Block with sequence parallelism (course/gpt_tp.py --sp)."""
-    seq = Shard(1)  # dim 1 of (batch, seq, d_model)
-    return {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=seq),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=seq)}
-
-
-def build(shape: dict, args, mesh) -> Stage:
-    """The course GPT's layers of this stage (on fake tensors), TP + SP over mesh["tp"], FSDP2 over mesh["dp"]."""
-    blocks = scale.stage_blocks(shape, args.pp, args.stage)
-    first, last = args.stage == 0, args.stage == args.pp - 1
-    cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"], n_layer=blocks, n_head=shape["n_head"],
-                    d_model=shape["d_model"], attention=shape["attention"])
-    with torch.device("meta"):  # shapes only: sharded before any storage exists, as torchtitan builds a model
-        model = Stage(GPT(cfg), list(range(blocks)), first, last)
-    if args.tp > 1:
-        for block in model.blocks:
-            parallelize_module(block, mesh["tp"], block_plan())
-        edges = {"ln_f": SequenceParallel(), "head": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)} if last else {}
-        if first:
-            edges["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                   use_local_output=True)
-        if edges:
-            parallelize_module(model, mesh["tp"], edges)
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"], mp_policy=bf16)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=bf16)
-    return model
-
-
 def simulate(args) -> dict:
     shape = dict(scale.MODELS[args.model])
     if args.seq_len:
         shape["seq_len"] = args.seq_len
-    problem = scale.layout_problem(shape, args.world, args.tp, args.pp, args.stage)
+    problem = scale.layout_problem(shape, args.world, args.tp, args.pp, args.stage, args.ep)
     if problem:
         raise SystemExit(problem)
     dp = args.world // (args.tp * args.pp)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     try:
-        mesh = init_device_mesh("cpu", (args.pp, dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
-        model = build(shape, args, mesh)  # on the meta device: the mesh's rank numbers stay real tensors
+        mesh = init_device_mesh("cpu", (args.pp, dp // args.ep, args.ep, args.tp),
+                                mesh_dim_names=("pp", "edp", "ep", "tp"))
+        meshes = {name: mesh[name] for name in ("edp", "ep", "tp")}
+        meshes["dp"] = mesh["edp", "ep"]._flatten("dp")  # the dense weights' FSDP group: edp x ep (torchtitan's way)
+        layers = stages.rank_layers(shape, args.pp, args.stage)
+        # on the meta device: the mesh's rank numbers stay real tensors
+        model = build(shape, layers, args.stage == 0, args.stage == args.pp - 1, meshes, args.ep)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")  # fake tensors: a size, no storage
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -114,6 +80,7 @@ def simulate(args) -> dict:
                 x = torch.randint(0, shape["vocab"], (b, s))
             else:  # the previous stage's output, this rank's s / tp positions under SP
                 x = torch.randn(b, s // args.tp, shape["d_model"], dtype=torch.bfloat16, requires_grad=True)
+            STATS.reset()  # the MoE layers count the bytes their all-to-alls send
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((x,))
             with tracker:
@@ -130,10 +97,11 @@ def simulate(args) -> dict:
         dist.destroy_process_group()
     measured = {k: _bytes(after_step if k in STATES else peak, kind) for k, kind in KINDS.items()}
     measured["activations after forward"] = _bytes(after_forward, _FSDPRefType.ACT)
-    return dict(model=args.model, shape=shape, world=args.world, tp=args.tp, pp=args.pp, dp=dp, stage=args.stage,
-                micro_batch=args.micro_batch, measured=measured,
+    measured["all-to-all bytes sent"] = sum(v for d in STATS.sent_bytes.values() for v in d.values())
+    return dict(model=args.model, shape=shape, world=args.world, tp=args.tp, pp=args.pp, dp=dp, ep=args.ep,
+                stage=args.stage, micro_batch=args.micro_batch, measured=measured,
                 formula=scale.expected(shape, world=args.world, tp=args.tp, pp=args.pp, stage=args.stage,
-                                       micro_batch=args.micro_batch))
+                                       micro_batch=args.micro_batch, ep=args.ep))
 
 
 def _bytes(snapshot: dict, kind) -> int:
@@ -148,12 +116,15 @@ def main(argv=None) -> int:
         print(json.dumps(result))
         return 0
     f, m = result["formula"], result["measured"]
-    print(f"{args.model} on {args.world} ranks: dp {result['dp']} x tp {args.tp} x pp {args.pp}, stage {args.stage} "
-          f"({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} tokens")
+    print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x tp {args.tp} x pp {args.pp}, "
+          f"stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} tokens")
     for key in ("params", "grads", "optimizer"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
     print(f"  {'activations after forward':28s} {m['activations after forward'] / 2**30:9.3f} GiB   "
           f"formula {f['activations'] / 2**30:9.3f} GiB")
+    if args.ep > 1:
+        print(f"  {'all-to-all bytes sent':28s} {m['all-to-all bytes sent'] / 2**30:9.3f} GiB   "
+              f"formula {f['all-to-all bytes sent'] / 2**30:9.3f} GiB")
     for key in ("all-gather buffers", "reduce-scatter buffers", "unsharded params", "temporaries"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   (at the peak)")
     return 0

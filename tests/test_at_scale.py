@@ -25,6 +25,8 @@ def test_the_private_apis_the_simulation_rests_on_are_where_it_expects():
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 (registers the "fake" backend)
 
     assert "fake" in dist.Backend.backend_list, "torch no longer registers the 'fake' backend from fake_pg"
+    from torch.distributed.device_mesh import DeviceMesh
+    assert callable(getattr(DeviceMesh, "_flatten", None)), "DeviceMesh._flatten (EP's dense FSDP group) moved"
     assert set(script.KINDS.values()) <= set(_FSDPRefType), "FSDPMemTracker's reference kinds changed"
     FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -49,6 +51,46 @@ def test_the_measurement_tells_torchs_sequence_parallelism_from_megatrons():
     megatron = r["formula"]["activations"] - 2 * (activations.layer_bytes(*args, gathered_whole=True)
                                                    - activations.layer_bytes(*args))
     assert r["measured"]["activations after forward"] > 1.3 * megatron
+
+
+def test_llama3_405b_on_16384_ranks_in_its_authors_layout_holds_the_formula_within_5_percent():
+    """The paper's TP 8 x PP 16 x DP 128 on 16,384 ranks (FSDP2 over the 128 here), a middle stage of 8 blocks at
+    8192 tokens: one rank's model states and activations by the formulas, within 5%."""
+    r = simulate("--model", "llama3-405b", "--world", 16384, "--tp", 8, "--pp", 16, "--stage", 1)
+    m, f = r["measured"], r["formula"]
+    assert (r["dp"], f["blocks"]) == (128, 8)
+    for key in ("params", "grads", "optimizer", "activations"):
+        got = m["activations after forward" if key == "activations" else key]
+        assert got == pytest.approx(f[key], rel=0.05), key
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_deepseek_v3s_experts_over_ep_64_hold_the_formulas_states_activations_and_all_to_alls(stage):
+    """DeepSeek-V3 at its real EP degree (64 of the 128 data-parallel ranks) on 31 stages of 2 blocks: the first
+    stage's blocks dense, the second's MoE. Model states exactly (4 of 256 experts a block, sharded over the 2 dp
+    ranks that hold them, the rest over 128), activations within 5%, and the bytes the all-to-alls send in the
+    step equal notebook 13's formula under balanced routing (nothing is sent: the rows the rank would send)."""
+    r = simulate("--model", "deepseek-v3", "--pp", 31, "--world", 31 * 128, "--tp", 1, "--ep", 64, "--stage", stage)
+    m, f = r["measured"], r["formula"]
+    assert (r["dp"], f["blocks"]) == (128, 2)
+    for key in ("params", "grads", "optimizer"):
+        assert f[key] <= m[key] <= f[key] + 4 * 4 * r["shape"]["d_model"], key
+    assert m["activations after forward"] == pytest.approx(f["activations"], rel=0.05)
+    assert m["all-to-all bytes sent"] == f["all-to-all bytes sent"]
+    assert (m["all-to-all bytes sent"] > 0) == (stage == 1)  # layers 0-2 are dense
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--model", "deepseek-v3", "--world", 2048, "--tp", 1, "--pp", 16, "--ep", 3], "--ep 3 does not divide the 128"),
+    (["--model", "deepseek-v3", "--world", 3 * 16 * 256, "--tp", 1, "--pp", 16, "--ep", 3],
+     "--ep 3 does not split the 256 experts; use one of 1, 2, 4,"),
+    (["--model", "deepseek-v3", "--world", 2048, "--tp", 2, "--pp", 16, "--ep", 8], "spreads a mixture of experts"),
+    (["--model", "llama3-8b", "--world", 64, "--tp", 8, "--ep", 2], "this model has no experts to spread"),
+])
+def test_an_expert_layout_that_cannot_be_built_is_refused_before_anything_is(argv, problem):
+    with pytest.raises(SystemExit, match=problem):
+        simulate(*argv)
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("argv, problem", [

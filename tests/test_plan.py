@@ -336,16 +336,16 @@ def test_expert_parallelism_shards_the_experts_their_states_and_adds_the_all_to_
 
 def test_moe_activations_keep_each_tokens_experts_and_its_rows_going_and_coming():
     """A MoE block keeps, per token, its top-k and shared experts' hidden activations, its k rows as dispatched and
-    as combined, and the router's fp32 logits and probabilities; a course MoE with one expert and top-1 keeps the
-    dense MLP's 8 s b h and those extras."""
+    as combined, and the router's fp32 probabilities, top-k indices and gate weights; a course MoE with one expert and
+    top-1 keeps the dense MLP's 8 s b h and those extras."""
     shape = _course_moe(TINY, 1, 1)
     s, b, h, L = TINY["seq_len"], 2, TINY["d_model"], TINY["n_layer"]
     extra = plan.microbatch_activation_bytes(shape, b) - plan.microbatch_activation_bytes(TINY, b)
-    assert extra == L * (4 * s * b * 2 * h + 4 * s * b * 2 * 1)
+    assert extra == L * (4 * s * b * 2 * h + s * b * (4 * 1 + 8 + 4))
     assert plan.microbatch_activation_bytes(shape, b, checkpoint="full") == plan.microbatch_activation_bytes(
         TINY, b, checkpoint="full")  # the block's input alone
     ds = plan.mlp_activation_bytes(DEEPSEEK_V3, 10, 4096, "bf16")
-    assert ds == 2 * 4096 * (9 * 4 * 2048 + 2 * 8 * 7168) + 4 * 4096 * 2 * 256
+    assert ds == 2 * 4096 * (9 * 4 * 2048 + 2 * 8 * 7168) + 4096 * (4 * 256 + 8 * (8 + 2))
     assert plan.mlp_activation_bytes(DEEPSEEK_V3, 0, 4096, "bf16") == 2 * 4096 * 4 * 18432
 
 

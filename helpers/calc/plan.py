@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from . import activations, cp as context, moe as experts_calc
 from .memory import PRECISIONS
-from .stages import (ADAM_STEP_BYTES, SCHEDULES, _blocks, _dtype, _layers, active_params, block_params,  # noqa: F401
-                     bubble, in_flight, is_moe, microbatch_activation_bytes, mlp_activation_bytes, rank_memory,
-                     stage_param_split, stage_params, stage_sizes, stage_tensors)
+from .stages import (ADAM_STEP_BYTES, SCHEDULES, _blocks, _dtype, active_params, block_params,  # noqa: F401
+                     bubble, in_flight, is_moe, microbatch_activation_bytes, mlp_activation_bytes, rank_layers,
+                     rank_memory, stage_param_split, stage_params, stage_sizes, stage_tensors)
 
 USABLE = 0.85  # of a GPU's memory the proposal fills: the rest for the CUDA context, the allocator's fragmentation,
 #               communication buffers and the temporaries of backward, which the formulas do not count
@@ -214,7 +214,8 @@ def _scheduled(meshes, shape: dict, schedules: tuple[str, ...], virtual: int):
 
 def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
                     microbatches: int = 1, precision: str = "fp32", zero: int = 0,
-                    vocab_parallel: bool = False, cp: int = 1, virtual: int = 1, ep: int = 1) -> dict:
+                    vocab_parallel: bool = False, cp: int = 1, virtual: int = 1, ep: int = 1,
+                    stage: int | None = None) -> dict:
     """Bytes one rank sends per step on each axis (for ``dp``, a rank of the first stage, whose embeddings make it
     hold the most parameters, :func:`stage_params` with ``vocab_parallel``; for ``pp``, a middle stage's, which
     sends both ways):
@@ -238,7 +239,8 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
     ranks that hold the same experts, the rest over ``dp x cp``; and an ``ep`` entry: per MoE block and micro-batch
     the four all-to-alls of notebook 13 (dispatch and combine, forward and backward) under balanced routing,
     ``4 T k h e (ep - 1) / ep`` (:func:`helpers.calc.moe.uniform_bytes_per_layer`), T the tokens this rank routes:
-    the micro-batch's ``s / cp`` positions, ``1 / tp`` of them with TP (sequence parallelism), as Megatron-LM does.
+    the micro-batch's ``s / cp`` positions, ``1 / tp`` of them with TP (sequence parallelism), as Megatron-LM does;
+    for the stage with the most MoE blocks, or for ``stage``.
     """
     e = activations.DTYPE_BYTES[_dtype(precision)]
     s, h = shape["seq_len"] // cp, shape["d_model"]
@@ -253,7 +255,8 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
            "pp": microbatches * 2 * act * virtual if pp > 1 else 0.0,
            "dp": dp_bytes}
     if "moe" in shape:
-        moe_blocks = max(sum(is_moe(shape, i) for i in _layers(shape, pp, st, virtual)) for st in range(pp))
+        moe_blocks = max(sum(is_moe(shape, i) for i in rank_layers(shape, pp, st, virtual))
+                         for st in (range(pp) if stage is None else [stage]))
         exchanges = experts_calc.uniform_bytes_per_layer(s * micro_batch // tp, shape["moe"]["top_k"], h, ep, e)
         out["ep"] = microbatches * moe_blocks * sum(x[d] for x in exchanges.values() for d in x)
     if cp > 1:

@@ -14,21 +14,30 @@ Published hyperparameters:
   arXiv:2407.21783, Table 3, which rounds the vocabulary to 128,000; the released tokenizer has 128,256), sequence
   8192 in pre-training. Llama 3 rotates positions (RoPE) where the course GPT learns a position embedding: s h more
   parameters on the first stage (134 M at 405B's width and 8192 tokens).
+- DeepSeek-V3, as the course GPT can be shaped to it (DeepSeek-AI 2024, arXiv:2412.19437, Sec. 4.2): 61 layers of
+  d 7168 and 128 heads, the first 3 dense (SwiGLU, FFN 18432), the others a MoE of 1 shared and 256 routed experts of
+  FFN 2048, top-8; vocabulary 129280; 4096 tokens. Its multi-token-prediction module's block is a 62nd layer (its
+  embedding and head are the model's). The course GPT's attention is MHA (4 h^2, 205 M a layer) where DeepSeek-V3's
+  is multi-head latent attention (187 M).
 """
 from __future__ import annotations
 
 from . import activations
 from .flags import divisors
 from .memory import zero_model_state_bytes
-from .plan import H100_NODE, mfu, propose
-from .stages import microbatch_activation_bytes, stage_params, stage_sizes
+from .plan import H100_NODE, mfu, propose, step_comm_bytes
+from .stages import microbatch_activation_bytes, stage_param_split, stage_params, stage_sizes
 
 MODELS = {
     "gpt3-175b": dict(vocab=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288, attention="sdpa"),
     "llama3-8b": dict(vocab=128256, seq_len=8192, n_layer=32, n_head=32, d_model=4096, attention="sdpa"),
     "llama3-70b": dict(vocab=128256, seq_len=8192, n_layer=80, n_head=64, d_model=8192, attention="sdpa"),
     "llama3-405b": dict(vocab=128256, seq_len=8192, n_layer=126, n_head=128, d_model=16384, attention="sdpa"),
+    "deepseek-v3": dict(vocab=129280, seq_len=4096, n_layer=62, n_head=128, d_model=7168, attention="sdpa",
+                        moe=dict(experts=256, top_k=8, ffn=2048, shared=1, dense_layers=3, dense_ffn=18432,
+                                 matrices=3)),
 }
+DEEPSEEK_V3 = MODELS["deepseek-v3"]
 
 
 def course_params(shape: dict) -> int:
@@ -36,9 +45,9 @@ def course_params(shape: dict) -> int:
     return stage_params(shape, 1, 0, 1)
 
 
-def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int) -> str | None:
+def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int, ep: int = 1) -> str | None:
     """What makes a layout impossible before anything is built, with what would work; None when it is possible."""
-    for name, value in (("--world", world), ("--tp", tp), ("--pp", pp)):
+    for name, value in (("--world", world), ("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if value < 1:
             return f"{name} {value}: a degree is a whole number of ranks, 1 or more"
     if world % (tp * pp):
@@ -55,6 +64,20 @@ def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int) -> str
                 f"and last, one layer fewer each); use one of {', '.join(map(str, near[:12]))}")
     if not 0 <= stage < pp:
         return f"--stage {stage} is not one of the {pp} stages 0..{pp - 1}"
+    return _ep_problem(shape, world // (tp * pp), tp, ep)
+
+
+def _ep_problem(shape: dict, dp: int, tp: int, ep: int) -> str | None:
+    moe = shape.get("moe")
+    if moe is None:
+        return None if ep == 1 else f"--ep {ep}: this model has no experts to spread; use --ep 1"
+    if tp > 1:
+        return f"--tp {tp}: the simulation spreads a mixture of experts over EP, not TP; use --tp 1"
+    if dp % ep:
+        return f"--ep {ep} does not divide the {dp} data-parallel ranks it is taken from; use one of {divisors(dp)}"
+    if moe["experts"] % ep:
+        return (f"--ep {ep} does not split the {moe['experts']} experts; use one of "
+                f"{divisors(dp, lambda d: moe['experts'] % d == 0)}")
     return None
 
 
@@ -65,24 +88,31 @@ def stage_blocks(shape: dict, pp: int, stage: int) -> int | None:
     return None if sizes is None else sizes[stage]
 
 
-def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_batch: int = 1) -> dict:
+def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_batch: int = 1, ep: int = 1) -> dict:
     """One rank's bytes by the formulas, for FSDP2 (ZeRO-3) over ``dp = world / (tp pp)`` with fp32 sharded
     parameters, bf16 compute and TP with torch's sequence parallelism: ``params``, ``grads`` and ``optimizer``
     (ZeRO-3's 4 + 4 + 8 bytes per parameter, over dp; notebook 03) and ``activations`` after one micro-batch's forward
     (notebook 08's terms in bf16, split by TP and SP as notebook 09 measured them, the all-gathered LayerNorm outputs
-    kept whole)."""
+    kept whole). A mixture of experts: E / ep experts per block, sharded over the dp / ep ranks that hold the same
+    ones, the MoE activations of :func:`helpers.calc.stages.mlp_activation_bytes`, and the bytes its all-to-alls send
+    in the step (:func:`helpers.calc.plan.step_comm_bytes`'s ``ep``, for this stage's MoE blocks)."""
     dp = world // (tp * pp)
     blocks = stage_blocks(shape, pp, stage)
-    even = dict(shape, n_layer=blocks * pp)  # the formulas split the layers equally: this stage's count on every stage
-    n = stage_params(even, pp, stage, tp)
-    states = zero_model_state_bytes(n, dp, 3, "fp32")
+    split = stage_param_split(shape, pp, stage, tp, ep=ep)
+    n = split["dense"] + split["experts"]
+    states = zero_model_state_bytes(split["dense"], dp, 3, "fp32")
+    if split["experts"]:
+        routed = zero_model_state_bytes(split["experts"], dp // ep, 3, "fp32")
+        states = {k: states[k] + routed[k] for k in states}
     s, b, h, a = shape["seq_len"], micro_batch, shape["d_model"], shape["n_head"]
     sp = tp > 1
     args = (s, b, h, a, "bf16", shape.get("attention", "sdpa"), "none", tp, sp)
     whole = activations.layer_bytes(*args, gathered_whole=sp) - activations.layer_bytes(*args)  # torch's SP plan
-    act = microbatch_activation_bytes(even, micro_batch, pp, stage, tp, sp, "bf16") + blocks * whole
+    act = microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, "bf16") + blocks * whole
+    sent = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, precision="mixed", ep=ep,
+                           stage=stage).get("ep", 0.0) if ep > 1 else 0.0
     return dict(dp=dp, params_count=n, params=states["params"], grads=states["grads"],
-                optimizer=states["optimizer"], blocks=blocks, activations=act)
+                optimizer=states["optimizer"], blocks=blocks, activations=act, **{"all-to-all bytes sent": sent})
 
 
 # ------------------------------------------------------------------------------------- published layouts, planned
@@ -95,13 +125,6 @@ H800_NODE = dict(H100_NODE, nvlink=160e9, network=50e9)
 A100_NODE = dict(H100_NODE, flops=312e12, nvlink=300e9, network=25e9)
 
 LLAMA3_405B_GQA = dict(MODELS["llama3-405b"], n_kv_head=8)  # 8 K/V heads: ring attention's blocks (planner only)
-# DeepSeek-V3 as the course GPT can be shaped to it (Sec. 4.2): 61 layers of d 7168 and 128 heads, the first 3 dense
-# (SwiGLU FFN 18432), the others 1 shared and 256 routed experts of FFN 2048, top-8; vocabulary 129280; 4096 tokens.
-# The multi-token-prediction module's block is a 62nd layer (its embedding and head are the model's). The course
-# GPT's attention is MHA (4 h^2, 205 M a layer) where DeepSeek-V3's is MLA (187 M).
-DEEPSEEK_V3 = dict(vocab=129280, seq_len=4096, n_layer=62, n_head=128, d_model=7168, attention="sdpa",
-                   moe=dict(experts=256, top_k=8, ffn=2048, shared=1, dense_layers=3, dense_ffn=18432, matrices=3))
-
 PUBLISHED = (
     dict(name="Llama 3 405B, 8K tokens", shape=LLAMA3_405B_GQA, gpus=16384, hardware=H100_NODE, global_batch=2048,
          layout=dict(dp=128, cp=1, tp=8, pp=16), reported_mfu=(0.38, 0.43),

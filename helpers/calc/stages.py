@@ -58,7 +58,7 @@ def stage_sizes(n_layer: int, pp: int) -> list[int] | None:
     return None
 
 
-def _layers(shape: dict, pp: int, stage: int, virtual: int = 1) -> list[int]:
+def rank_layers(shape: dict, pp: int, stage: int, virtual: int = 1) -> list[int]:
     """The blocks (their indices, from 0) on rank ``stage`` of ``pp``: its stage's, or with ``virtual`` stages per
     rank (the interleaved schedule) those of its chunks ``stage, stage + pp, ...`` of the ``pp x virtual``
     (:func:`stage_sizes`)."""
@@ -72,7 +72,7 @@ def _layers(shape: dict, pp: int, stage: int, virtual: int = 1) -> list[int]:
 
 
 def _blocks(shape: dict, pp: int, stage: int, virtual: int = 1) -> int:
-    return len(_layers(shape, pp, stage, virtual))
+    return len(rank_layers(shape, pp, stage, virtual))
 
 
 def is_moe(shape: dict, layer: int) -> bool:
@@ -151,7 +151,7 @@ def stage_param_split(shape: dict, pp: int = 1, stage: int = 0, tp: int = 1, voc
     and ``experts`` (the MoE blocks' routed experts, ``E / ep`` per block; their ZeRO group is dp / ep)."""
     h, v = shape["d_model"], shape["vocab"]
     n, routed = 0, 0
-    for layer in _layers(shape, pp, stage, virtual):
+    for layer in rank_layers(shape, pp, stage, virtual):
         block = block_params(shape, layer, tp, ep)
         n, routed = n + block["dense"], routed + block["experts"]
     rows = _vocab_rows(v, tp, vocab_parallel)
@@ -194,7 +194,7 @@ def microbatch_activation_bytes(shape: dict, micro_batch: int, pp: int = 1, stag
     s, b, h = shape["seq_len"] // cp, micro_batch, shape["d_model"]  # a CP rank's positions
     attention = shape.get("attention", "math") if cp == 1 else "sdpa"  # ring attention keeps what flash keeps
     out = 0.0
-    for layer in _layers(shape, pp, stage, virtual):
+    for layer in rank_layers(shape, pp, stage, virtual):
         terms = activations.layer_terms(s, b, h, shape["n_head"], dtype, attention, checkpoint, tp, sp)
         if "moe" in shape and checkpoint != "full":
             terms["MLP: GELU input and output"] = mlp_activation_bytes(shape, layer, s * b, dtype, tp, sp)
@@ -215,9 +215,9 @@ def mlp_activation_bytes(shape: dict, layer: int, tokens: int, dtype: str = "bf1
     ``m' f`` per token (``m'`` = 2 for the GELU MLP, its input and output; 4 for SwiGLU, gate, up, their activation
     and product); a MoE block's for each of its ``top_k`` routed and ``shared`` experts, plus the token's ``top_k``
     rows as the experts received them and as they returned (the combine's weights need both), and the router's fp32
-    logits and probabilities (``2 E`` per token). Expert parallelism moves rows but does not change how many a rank
-    keeps, under balanced routing; TP splits ``f``, and with sequence parallelism a rank routes ``1 / tp`` of the
-    tokens.
+    probabilities (``E`` per token, softmax's output), its top-k's int64 indices and the ``k`` gate weights. Expert
+    parallelism moves rows but does not change how many a rank keeps, under balanced routing; TP splits ``f``, and
+    with sequence parallelism a rank routes ``1 / tp`` of the tokens.
 
         >>> mlp_activation_bytes(dict(d_model=4, moe=dict(experts=2, top_k=1, ffn=16, dense_layers=1, dense_ffn=16)),
         ...                      0, tokens=1, dtype="fp32")     # the course GPT's 8 s b h at f = 4 h
@@ -229,8 +229,8 @@ def mlp_activation_bytes(shape: dict, layer: int, tokens: int, dtype: str = "bf1
     if not is_moe(shape, layer):
         return e * tokens * hidden * moe["dense_ffn"] / tp
     k, used = moe["top_k"], moe["top_k"] + moe.get("shared", 0)
-    return (e * tokens * (used * hidden * moe["ffn"] / tp + 2 * k * h / whole)
-            + 4 * tokens * 2 * moe["experts"] / whole)
+    router = 4 * moe["experts"] + k * (activations.INDEX_BYTES + e)
+    return e * tokens * (used * hidden * moe["ffn"] / tp + 2 * k * h / whole) + tokens * router / whole
 
 
 def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, checkpoint: str = "none",

@@ -1,0 +1,134 @@
+"""The model course/gpt_at_scale.py simulates: the course GPT's layers of one pipeline stage at a published shape,
+split as the course's scripts split them (TP + SP, FSDP2), and for a mixture of experts a MoE layer whose experts
+are spread over EP ranks.
+
+Under FakeTensorMode a router's choice cannot be read (every value is fake), so :class:`BalancedMoE` routes each
+token to ``k`` experts by construction, the same number of rows to every expert: the balanced routing that
+:func:`helpers.calc.moe.uniform_bytes_per_layer` assumes and a load-balancing loss aims at. It runs what a real MoE
+layer runs on those rows (router, softmax, top-k gates, dispatch all-to-all, the local experts as one batched matmul,
+combine all-to-all, gate-weighted sum, shared experts), so memory and traffic are those of routed tokens; only which
+expert a token reaches is not the router's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from .gpt import GPT, GPTConfig
+from .moe import all_to_all_rows
+from .pipeline import Stage
+
+
+def _activation(z: torch.Tensor, glu: bool) -> torch.Tensor:
+    """GELU (the course GPT's MLP), or SwiGLU on ``z``'s two halves (gate, up)."""
+    if not glu:
+        return F.gelu(z)
+    gate, up = z.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class FeedForward(nn.Module):
+    """A dense MLP of hidden width ``ffn``: GELU with 2 matrices, or SwiGLU with 3 (gate and up stored as one)."""
+
+    def __init__(self, d_model: int, ffn: int, glu: bool):
+        super().__init__()
+        self.glu = glu
+        self.up = nn.Linear(d_model, (2 if glu else 1) * ffn, bias=False)
+        self.down = nn.Linear(ffn, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down(_activation(self.up(x), self.glu))
+
+
+class GroupedExperts(nn.Module):
+    """This rank's ``local`` experts as two stacked weights, run as batched matmuls on rows grouped by expert."""
+
+    def __init__(self, local: int, d_model: int, ffn: int, glu: bool):
+        super().__init__()
+        self.glu = glu
+        self.w_in = nn.Parameter(torch.empty(local, d_model, (2 if glu else 1) * ffn))
+        self.w_out = nn.Parameter(torch.empty(local, ffn, d_model))
+
+    def forward(self, rows):  # (local, rows per expert, d_model)
+        return torch.bmm(_activation(torch.bmm(rows, self.w_in), self.glu), self.w_out)
+
+
+class BalancedMoE(nn.Module):
+    """A MoE layer of ``experts`` (``experts / ep`` here), top-``top_k``, plus ``shared`` experts every token uses,
+    over the EP process group ``group``, routing every expert the same number of rows (the module docstring)."""
+
+    def __init__(self, d_model: int, moe: dict, group, ep: int):
+        super().__init__()
+        experts, glu = moe["experts"], moe.get("matrices", 2) == 3
+        self.top_k, self.ep, self.local, self.group = moe["top_k"], ep, experts // ep, group
+        self.router = nn.Linear(d_model, experts, bias=False)
+        self.experts = GroupedExperts(self.local, d_model, moe["ffn"], glu)
+        shared = moe.get("shared", 0)
+        self.shared = FeedForward(d_model, shared * moe["ffn"], glu) if shared else None
+
+    def forward(self, x):
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)
+        gates, _ = self.router(tokens).float().softmax(-1).topk(self.top_k, dim=-1)
+        rows = tokens.unsqueeze(1).expand(b * s, self.top_k, h).reshape(-1, h)  # a token's k assignments, in order
+        n = rows.shape[0] // self.ep  # to each EP rank, grouped by its experts
+        split = [n] * self.ep
+        got = all_to_all_rows(rows, split, split, self.group, "dispatch")
+        per = n // self.local
+        grouped = got.view(self.ep, self.local, per, h).transpose(0, 1).reshape(self.local, self.ep * per, h)
+        out = self.experts(grouped).view(self.local, self.ep, per, h).transpose(0, 1).reshape(-1, h)
+        back = all_to_all_rows(out, split, split, self.group, "combine")
+        y = (back.view(b * s, self.top_k, h) * gates.unsqueeze(-1).to(back.dtype)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        return y.view(b, s, h)
+
+
+def block_plan() -> dict:
+    """Megatron's split of one Block with sequence parallelism (course/gpt_tp.py --sp)."""
+    seq = Shard(1)  # dim 1 of (batch, seq, d_model)
+    return {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=seq),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=seq)}
+
+
+def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, ep: int = 1) -> Stage:
+    """On the meta device, the course GPT's blocks ``layers`` (their indices in the whole model) of one stage at
+    ``shape`` (``mesh``: device meshes by name): TP + SP over ``mesh["tp"]`` (dense shapes), FSDP2 with bf16 compute over ``mesh["dp"]``; for a
+    ``shape["moe"]`` each block's MLP is a :class:`BalancedMoE` over ``mesh["ep"]`` (or, in the first
+    ``dense_layers``, a dense one of ``dense_ffn``), its experts sharded over ``mesh["edp"]`` (the dp ranks that hold
+    the same experts)."""
+    cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"], n_layer=len(layers), n_head=shape["n_head"],
+                    d_model=shape["d_model"], attention=shape["attention"])
+    moe, tp = shape.get("moe"), mesh["tp"].size()
+    with torch.device("meta"):  # shapes only: sharded before any storage exists, as torchtitan builds a model
+        model = Stage(GPT(cfg), list(range(len(layers))), first, last)
+        for block, layer in zip(model.blocks, layers) if moe else []:
+            glu = moe.get("matrices", 2) == 3
+            block.mlp = (BalancedMoE(cfg.d_model, moe, mesh["ep"].get_group(), ep)
+                         if layer >= moe.get("dense_layers", 0) else FeedForward(cfg.d_model, moe["dense_ffn"], glu))
+    if tp > 1:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], block_plan())
+        edges = {"ln_f": SequenceParallel(), "head": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)} if last else {}
+        if first:
+            edges["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                   use_local_output=True)
+        if edges:
+            parallelize_module(model, mesh["tp"], edges)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        if isinstance(block.mlp, BalancedMoE):
+            fully_shard(block.mlp.experts, mesh=mesh["edp"], mp_policy=bf16)
+        fully_shard(block, mesh=mesh["dp"], mp_policy=bf16)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=bf16)
+    return model
