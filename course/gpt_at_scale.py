@@ -4,6 +4,7 @@ Run it from any directory, in a terminal (after `pip install -e .`, which `make 
 
     python course/gpt_at_scale.py --model llama3-8b --world 64 --tp 8           # FSDP2 over 8, TP + SP over 8
     python course/gpt_at_scale.py --model gpt3-175b --world 1024 --tp 8 --pp 16 --stage 1
+    python course/gpt_at_scale.py --model deepseek-v3 --world 2048 --tp 1 --pp 16 --ep 64 --stage 1
 
 The process joins a fake process group of --world ranks as rank 0 (torch.testing._internal.distributed.fake_pg:
 every collective returns at once and moves nothing). The course GPT (helpers.rank.gpt) is built at a published
@@ -12,9 +13,11 @@ fully_shard build exactly what rank 0 of the real job would hold (inside FakeTen
 numbers would be faked); then it is materialised under FakeTensorMode, where every tensor has its shape, dtype and
 size and none has storage. Then one training step of one micro-batch on the layers of pipeline stage --stage of
 --pp: the blocks split Megatron-style over --tp with sequence parallelism (course/gpt_tp.py's plan), FSDP2 over the
-data-parallel ranks with fp32 shards and bf16 compute, AdamW. FSDPMemTracker (torch.distributed._tools) splits the
-rank's memory into sharded parameters, gradients, optimizer state, activations and FSDP's communication buffers; the
-script prints them beside the course's formulas (helpers.calc.scale.expected) and writes them as JSON with --json.
+data-parallel ranks with fp32 shards and bf16 compute, AdamW; a mixture of experts' routed experts spread over --ep
+of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE), sharded over the rest. FSDPMemTracker
+(torch.distributed._tools) splits the rank's memory into sharded parameters, gradients, optimizer state, activations
+and FSDP's communication buffers; the script prints them, and the bytes the all-to-alls would send, beside the course's formulas
+(helpers.calc.scale.expected), or writes them as JSON with --json.
 
 The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
 pins them.
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
         return 0
     f, m = result["formula"], result["measured"]
     print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x tp {args.tp} x pp {args.pp}, "
-          f"stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} tokens")
+          f"stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} "
+          "tokens")
     for key in ("params", "grads", "optimizer"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
     print(f"  {'activations after forward':28s} {m['activations after forward'] / 2**30:9.3f} GiB   "
