@@ -16,8 +16,8 @@ size and none has storage. Then one training step of one micro-batch on the laye
 data-parallel ranks with fp32 shards and bf16 compute, AdamW; a mixture of experts' routed experts spread over --ep
 of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE), sharded over the rest. FSDPMemTracker
 (torch.distributed._tools) splits the rank's memory into sharded parameters, gradients, optimizer state, activations
-and FSDP's communication buffers; the script prints them, and the bytes the all-to-alls would send, beside the course's formulas
-(helpers.calc.scale.expected), or writes them as JSON with --json.
+and FSDP's communication buffers; the script prints them, and the bytes the all-to-alls would send, beside the
+course's formulas (helpers.calc.scale.expected), or writes them as JSON with --json.
 
 The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
 pins them.
