@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     if not args.simulate and rank == 0:
-        Reporter().result(local_ranks=result)  # Run.result under helpers.launch (nothing from a terminal)
+        Reporter(schema=None).result(local_ranks=result)  # Run.result under helpers.launch (not a training run)
     log0(json.dumps(result))
     return 0
 

@@ -38,7 +38,9 @@ def test_the_private_api_the_simulation_rests_on_is_where_it_expects():
         assert hasattr(local, name), f"torch.distributed._local_tensor.{name} moved"
 
 
-@pytest.mark.parametrize("world, tp", [(8, 1), (16, 4), (64, 8)])
+# 64 simulated ranks take 8 s alone and up to a minute beside the fast tier's other worker: the larger two are slow
+@pytest.mark.parametrize("world, tp", [(8, 2), pytest.param(16, 4, marks=pytest.mark.slow),
+                                       pytest.param(64, 8, marks=pytest.mark.slow)])
 def test_every_simulated_rank_holds_the_one_process_step_within_a_few_noise_floors(world, tp):
     r = simulate(world, tp)
     assert (r["ranks"], r["dp"], r["tp"]) == (world, world // tp, tp)
@@ -56,7 +58,7 @@ def test_a_wrong_split_is_seen_by_the_comparison():
     keep = local_ranks.average_gradients
     script.average_gradients = lambda *a: None
     try:
-        r = simulate(8, 2)
+        r = simulate(4, 2)
     finally:
         script.average_gradients = keep
     assert max(r["grad_error"].values()) > 100 * FLOORS * r["floor"]

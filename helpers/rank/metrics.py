@@ -108,7 +108,6 @@ class TrainResult(TypedDict, total=False):
     gpt: dict                 # GPT: the model's shape, helpers.rank.gpt.GPTConfig.as_dict()
     tp_degree: int            # TP: ranks each layer is split over (course/gpt_tp.py --tp)
     dp_degree: int            # TP: data-parallel ranks (world_size / tp_degree; FSDP2 over them when > 1)
-    local_ranks: dict         # gpt_local.py: one step's loss and gradient errors per rank, against one process
     sequence_parallel: bool   # TP: the LayerNorm regions sharded along the sequence (--sp)
     tp_rank: int              # TP: this rank's place on the mesh's "tp" dimension (which tensor shard)
     dp_rank: int              # TP: this rank's place on the mesh's "dp" dimension (which data shard)
