@@ -389,8 +389,9 @@ def claim_agreement(rows_: list[dict], sweep, again, cfg) -> None:
 
 
 def claim_residuals(model: dict, table: list[dict], sweep, cfg) -> None:
-    """Where every rank has a core of its own: a collective costs more after idling than back to back, by more
-    than the sweep's own noise (:func:`idle_penalty`, :func:`spread`); and the small buckets' all-reduces, with the
+    """Where every rank has a core of its own: what a collective costs after idling against back to back, beside
+    the sweep's own noise (:func:`idle_penalty`, :func:`spread`), read and not claimed (the machine's noise decided
+    it in one run of five here); and, claimed, the small buckets' all-reduces, with the
     backward computing beside them, cost more against the model than the median configuration whose collectives run
     alone (:data:`ALONE`): a median, because each run meets its own moment of the machine (one regeneration here
     timed one bucket's all-reduce at 1.30 x the model, the buckets' at 1.26, no overlap's at 1.07). With ranks
@@ -407,9 +408,11 @@ def claim_residuals(model: dict, table: list[dict], sweep, cfg) -> None:
     else:
         longest, noise = max(model["all_reduce"]["by_idle"]), spread(sweep)
         penalty = idle_penalty(model)
-        claim(f"a collective that follows {longest:g} ms without communication costs more than one right after "
-              "another, by more than the sweep's own noise (the median ratio below 1 MiB, against 1 + the gap "
-              "between a size's two fastest calls)", penalty > 1 + noise, measured=f"{penalty:.2f} vs {1 + noise:.2f}")
+        # read, not claimed: over clean-clone runs here it cleared the noise by 1.44 against 1.10 and fell below it
+        # once in five (a make test of 2026-12-07), so the machine decides it
+        print(f"A collective that follows {longest:g} ms without communication, against one right after another: "
+              "the median ratio below 1 MiB, beside 1 + the gap between a size's two fastest calls (the sweep's own "
+              f"noise); a reading, not a claim (measured: {penalty:.2f} vs {1 + noise:.2f})")
         alone = [priced[c]["ratio"] for c in ALONE if c in priced]
         if "buckets" in priced and alone:
             claim("computing beside its all-reduces makes them slower: the buckets' trace is further above the model "
