@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from . import activations
 from .flags import divisors
-from .memory import zero_model_state_bytes
 from .plan import H100_NODE, mfu, propose, step_comm_bytes
-from .stages import microbatch_activation_bytes, stage_param_split, stage_params, stage_sizes
+from .stages import (microbatch_activation_bytes, split_state_bytes, stage_param_split, stage_params,
+                     stage_sizes)
 
 MODELS = {
     "gpt3-175b": dict(vocab=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288, attention="sdpa"),
@@ -100,10 +100,7 @@ def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_bat
     blocks = stage_blocks(shape, pp, stage)
     split = stage_param_split(shape, pp, stage, tp, ep=ep)
     n = split["dense"] + split["experts"]
-    states = zero_model_state_bytes(split["dense"], dp, 3, "fp32")
-    if split["experts"]:
-        routed = zero_model_state_bytes(split["experts"], dp // ep, 3, "fp32")
-        states = {k: states[k] + routed[k] for k in states}
+    states = split_state_bytes(split, dp, ep, 3, "fp32")
     s, b, h, a = shape["seq_len"], micro_batch, shape["d_model"], shape["n_head"]
     sp = tp > 1
     args = (s, b, h, a, "bf16", shape.get("attention", "sdpa"), "none", tp, sp)

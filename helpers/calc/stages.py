@@ -233,6 +233,16 @@ def mlp_activation_bytes(shape: dict, layer: int, tokens: int, dtype: str = "bf1
     return e * tokens * (used * hidden * moe["ffn"] / tp + 2 * k * h / whole) + tokens * router / whole
 
 
+def split_state_bytes(split: dict, replicas: int, ep: int, zero: int, precision: str) -> dict:
+    """ZeRO's model-state bytes of :func:`stage_param_split`'s ``split``: the dense parameters sharded over the
+    ``replicas`` ranks that hold them, the routed experts over the ``replicas / ep`` that hold the same ones."""
+    states = zero_model_state_bytes(split["dense"], replicas, zero, precision)
+    if split["experts"]:
+        routed = zero_model_state_bytes(split["experts"], replicas // ep, zero, precision)
+        states = {k: states[k] + routed[k] for k in states}
+    return states
+
+
 def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, checkpoint: str = "none",
                 micro_batch: int = 1, microbatches: int = 1, schedule: str = "1f1b", precision: str = "fp32",
                 sp: bool = False, step_counters: bool = False, vocab_parallel: bool = False, cp: int = 1,
@@ -255,10 +265,7 @@ def rank_memory(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int
     for stage in range(pp):
         split = stage_param_split(shape, pp, stage, tp, vocab_parallel, virtual, ep)
         n = split["dense"] + split["experts"]
-        states = zero_model_state_bytes(split["dense"], dp * cp, zero, precision)
-        if split["experts"]:
-            routed = zero_model_state_bytes(split["experts"], dp * cp // ep, zero, precision)
-            states = {k: states[k] + routed[k] for k in states}
+        states = split_state_bytes(split, dp * cp, ep, zero, precision)
         optimizer = states["optimizer"] + (ADAM_STEP_BYTES * stage_tensors(shape, pp, stage, virtual)
                                            if step_counters else 0)
         held = in_flight(schedule, pp, stage, microbatches, virtual)

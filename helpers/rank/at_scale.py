@@ -100,6 +100,17 @@ def block_plan() -> dict:
             "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=seq)}
 
 
+def edge_plan(first: bool, last: bool) -> dict:
+    """Where a stage meets the blocks' sequence-parallel activations: the first block takes the embeddings' whole
+    sequence as this rank's shard, the final LayerNorm runs on the shard, and the head gathers it whole again."""
+    plan = {"ln_f": SequenceParallel(), "head": PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)} if last else {}
+    if first:
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    return plan
+
+
 def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, ep: int = 1) -> Stage:
     """On the meta device, the course GPT's blocks ``layers`` (their indices in the whole model) of one stage at
     ``shape`` (``mesh``: device meshes by name): TP + SP over ``mesh["tp"]`` (dense shapes), FSDP2 with bf16 compute over ``mesh["dp"]``; for a
@@ -118,11 +129,7 @@ def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, e
     if tp > 1:
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], block_plan())
-        edges = {"ln_f": SequenceParallel(), "head": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)} if last else {}
-        if first:
-            edges["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                   use_local_output=True)
+        edges = edge_plan(first, last)
         if edges:
             parallelize_module(model, mesh["tp"], edges)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

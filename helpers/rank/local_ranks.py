@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensorMode, enabled_local_tensor_mode, rank_map, tensor_map
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
-from .at_scale import block_plan
+from .at_scale import block_plan, edge_plan
 
 __all__ = ["LocalTensorMode", "average_gradients", "per_rank", "rank_map", "tensor_parallel"]
 
@@ -29,12 +29,7 @@ def tensor_parallel(model, tp_mesh) -> None:
     its embeddings and head whole, in place."""
     for block in model.blocks:
         parallelize_module(block, tp_mesh, block_plan())
-    seq = Shard(1)
-    parallelize_module(model, tp_mesh, {
-        "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
-                                       use_local_output=True),
-        "ln_f": SequenceParallel(),
-        "head": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)})
+    parallelize_module(model, tp_mesh, edge_plan(first=True, last=True))
 
 
 def average_gradients(model, dp_group, dp: int) -> None:
