@@ -16,8 +16,11 @@ size and none has storage. Then one training step of one micro-batch on the laye
 data-parallel ranks with fp32 shards and bf16 compute, AdamW; a mixture of experts' routed experts spread over --ep
 of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE), sharded over the rest. FSDPMemTracker
 (torch.distributed._tools) splits the rank's memory into sharded parameters, gradients, optimizer state, activations
-and FSDP's communication buffers; the script prints them, and the bytes the all-to-alls would send, beside the
-course's formulas (helpers.calc.scale.expected), or writes them as JSON with --json.
+and FSDP's communication buffers, and the highest total of forward and backward (read before the optimizer's
+step: while AdamW steps on FSDP2's DTensor shards under the fake group, the tracker counts states at their unsharded
+size, which a real rank never allocates; its states after the step are the shard's). The script prints them, and
+the bytes the all-to-alls would send, beside the course's formulas (helpers.calc.scale.expected), or writes them
+as JSON with --json.
 
 The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
 pins them.
@@ -53,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--stage", type=int, default=0, help="the stage whose rank 0 is simulated")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp (a MoE model)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--checkpoint", choices=("none", "full"), default="none",
+                   help="full: recompute each block in backward (only its input is kept)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
@@ -74,7 +79,7 @@ def simulate(args) -> dict:
         meshes["dp"] = mesh["edp", "ep"]._flatten("dp")  # the dense weights' FSDP group: edp x ep (torchtitan's way)
         layers = stages.rank_layers(shape, args.pp, args.stage)
         # on the meta device: the mesh's rank numbers stay real tensors
-        model = build(shape, layers, args.stage == 0, args.stage == args.pp - 1, meshes, args.ep)
+        model = build(shape, layers, args.stage == 0, args.stage == args.pp - 1, meshes, args.ep, args.checkpoint)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")  # fake tensors: a size, no storage
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -93,18 +98,21 @@ def simulate(args) -> dict:
                     out = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 after_forward = tracker.get_tracker_snapshot("current")
                 out.backward(torch.ones_like(out))
+                peak = tracker.get_tracker_snapshot("peak")  # of forward and backward (see the docstring)
                 optimizer.step()
                 after_step = tracker.get_tracker_snapshot("current")  # what stays: the model states
-                peak = tracker.get_tracker_snapshot("peak")
     finally:
         dist.destroy_process_group()
     measured = {k: _bytes(after_step if k in STATES else peak, kind) for k, kind in KINDS.items()}
-    measured["activations after forward"] = _bytes(after_forward, _FSDPRefType.ACT)
+    # what the micro-batch holds until its backward: what autograd saved, its output, and its input (the token ids,
+    # or the activations the previous stage sent), which the tracker files apart as inputs
+    measured["activations after forward"] = sum(_bytes(after_forward, k) for k in (_FSDPRefType.ACT, _FSDPRefType.INP))
+    measured["peak"] = sum(per["Total"] for per in peak.values())  # every kind at the step's highest moment
     measured["all-to-all bytes sent"] = sum(v for d in STATS.sent_bytes.values() for v in d.values())
     return dict(model=args.model, shape=shape, world=args.world, tp=args.tp, pp=args.pp, dp=dp, ep=args.ep,
-                stage=args.stage, micro_batch=args.micro_batch, measured=measured,
+                stage=args.stage, micro_batch=args.micro_batch, checkpoint=args.checkpoint, measured=measured,
                 formula=scale.expected(shape, world=args.world, tp=args.tp, pp=args.pp, stage=args.stage,
-                                       micro_batch=args.micro_batch, ep=args.ep))
+                                       micro_batch=args.micro_batch, ep=args.ep, checkpoint=args.checkpoint))
 
 
 def _bytes(snapshot: dict, kind) -> int:
@@ -121,7 +129,7 @@ def main(argv=None) -> int:
     f, m = result["formula"], result["measured"]
     print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x tp {args.tp} x pp {args.pp}, "
           f"stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} "
-          "tokens")
+          f"tokens, checkpoint {args.checkpoint}")
     for key in ("params", "grads", "optimizer"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
     print(f"  {'activations after forward':28s} {m['activations after forward'] / 2**30:9.3f} GiB   "
@@ -131,6 +139,7 @@ def main(argv=None) -> int:
               f"formula {f['all-to-all bytes sent'] / 2**30:9.3f} GiB")
     for key in ("all-gather buffers", "reduce-scatter buffers", "unsharded params", "temporaries"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   (at the peak)")
+    print(f"  {'peak, everything':28s} {m['peak'] / 2**30:9.3f} GiB")
     return 0
 
 

@@ -119,7 +119,7 @@ def step_seconds(shape: dict, layout: dict, *, global_batch: int, micro_batch: i
     compute = flops / (n_gpus * hardware["flops"] * hardware["efficiency"]) / (1 - idle)
     comm = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=m, precision=precision,
                            zero=layout["zero"], vocab_parallel=layout.get("vocab_parallel", False), cp=cp,
-                           virtual=virtual, ep=ep)
+                           virtual=virtual, ep=ep, checkpoint=layout["checkpoint"])
     tp_s = comm["tp"] / hardware["nvlink"]
     dp_s = comm["dp"] / (hardware["network"] if n_gpus > gpus_per_node else hardware["nvlink"])
     busy = compute * (1 - idle)  # the compute itself, without the pipeline's idle time
@@ -215,7 +215,7 @@ def _scheduled(meshes, shape: dict, schedules: tuple[str, ...], virtual: int):
 def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro_batch: int = 1,
                     microbatches: int = 1, precision: str = "fp32", zero: int = 0,
                     vocab_parallel: bool = False, cp: int = 1, virtual: int = 1, ep: int = 1,
-                    stage: int | None = None) -> dict:
+                    stage: int | None = None, checkpoint: str = "none") -> dict:
     """Bytes one rank sends per step on each axis (for ``dp``, a rank of the first stage, whose embeddings make it
     hold the most parameters, :func:`stage_params` with ``vocab_parallel``; for ``pp``, a middle stage's, which
     sends both ways):
@@ -240,7 +240,9 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
     the four all-to-alls of notebook 13 (dispatch and combine, forward and backward) under balanced routing,
     ``4 T k h e (ep - 1) / ep`` (:func:`helpers.calc.moe.uniform_bytes_per_layer`), T the tokens this rank routes:
     the micro-batch's ``s / cp`` positions, ``1 / tp`` of them with TP (sequence parallelism), as Megatron-LM does;
-    for the stage with the most MoE blocks, or for ``stage``.
+    for the stage with the most MoE blocks, or for ``stage``. With ``checkpoint="full"`` the recomputed forward
+    sends its dispatch and combine again: six all-to-alls (course/gpt_at_scale.py counts them). The TP all-reduces
+    that a recomputed forward repeats are not counted.
     """
     e = activations.DTYPE_BYTES[_dtype(precision)]
     s, h = shape["seq_len"] // cp, shape["d_model"]
@@ -258,7 +260,8 @@ def step_comm_bytes(shape: dict, *, dp: int = 1, tp: int = 1, pp: int = 1, micro
         moe_blocks = max(sum(is_moe(shape, i) for i in rank_layers(shape, pp, st, virtual))
                          for st in (range(pp) if stage is None else [stage]))
         exchanges = experts_calc.uniform_bytes_per_layer(s * micro_batch // tp, shape["moe"]["top_k"], h, ep, e)
-        out["ep"] = microbatches * moe_blocks * sum(x[d] for x in exchanges.values() for d in x)
+        rerun = ("forward", "forward", "backward") if checkpoint == "full" else ("forward", "backward")
+        out["ep"] = microbatches * moe_blocks * sum(x[d] for x in exchanges.values() for d in rerun)
     if cp > 1:
         kv = h * shape.get("n_kv_head", shape["n_head"]) // shape["n_head"] // tp  # K or V features of a TP rank
         ring = context.ring_bytes_per_layer(micro_batch, shape["seq_len"], kv, cp, e)

@@ -88,14 +88,17 @@ def stage_blocks(shape: dict, pp: int, stage: int) -> int | None:
     return None if sizes is None else sizes[stage]
 
 
-def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_batch: int = 1, ep: int = 1) -> dict:
+def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_batch: int = 1, ep: int = 1,
+             checkpoint: str = "none") -> dict:
     """One rank's bytes by the formulas, for FSDP2 (ZeRO-3) over ``dp = world / (tp pp)`` with fp32 sharded
     parameters, bf16 compute and TP with torch's sequence parallelism: ``params``, ``grads`` and ``optimizer``
     (ZeRO-3's 4 + 4 + 8 bytes per parameter, over dp; notebook 03) and ``activations`` after one micro-batch's forward
     (notebook 08's terms in bf16, split by TP and SP as notebook 09 measured them, the all-gathered LayerNorm outputs
-    kept whole). A mixture of experts: E / ep experts per block, sharded over the dp / ep ranks that hold the same
-    ones, the MoE activations of :func:`helpers.calc.stages.mlp_activation_bytes`, and the bytes its all-to-alls send
-    in the step (:func:`helpers.calc.plan.step_comm_bytes`'s ``ep``, for this stage's MoE blocks)."""
+    kept whole; with ``checkpoint="full"`` only each block's input), and on every stage but the last the output it
+    sends on (kept until its gradient comes back). A mixture of experts: E / ep experts per block, sharded over the
+    dp / ep ranks that hold the same ones, the MoE activations of :func:`helpers.calc.stages.mlp_activation_bytes`,
+    and the bytes its all-to-alls send in the step (:func:`helpers.calc.plan.step_comm_bytes`'s ``ep``, for this
+    stage's MoE blocks)."""
     dp = world // (tp * pp)
     blocks = stage_blocks(shape, pp, stage)
     split = stage_param_split(shape, pp, stage, tp, ep=ep)
@@ -103,11 +106,13 @@ def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_bat
     states = split_state_bytes(split, dp, ep, 3, "fp32")
     s, b, h, a = shape["seq_len"], micro_batch, shape["d_model"], shape["n_head"]
     sp = tp > 1
-    args = (s, b, h, a, "bf16", shape.get("attention", "sdpa"), "none", tp, sp)
+    args = (s, b, h, a, "bf16", shape.get("attention", "sdpa"), checkpoint, tp, sp)
     whole = activations.layer_bytes(*args, gathered_whole=sp) - activations.layer_bytes(*args)  # torch's SP plan
-    act = microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, "bf16") + blocks * whole
+    act = microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, "bf16", checkpoint) + blocks * whole
+    if stage < pp - 1:  # the output sent on, kept for the backward that its gradient starts
+        act += activations.DTYPE_BYTES["bf16"] * s * b * h / tp
     sent = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, precision="mixed", ep=ep,
-                           stage=stage).get("ep", 0.0) if ep > 1 else 0.0
+                           stage=stage, checkpoint=checkpoint).get("ep", 0.0) if ep > 1 else 0.0
     return dict(dp=dp, params_count=n, params=states["params"], grads=states["grads"],
                 optimizer=states["optimizer"], blocks=blocks, activations=act, **{"all-to-all bytes sent": sent})
 

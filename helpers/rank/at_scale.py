@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -111,12 +112,25 @@ def edge_plan(first: bool, last: bool) -> dict:
     return plan
 
 
-def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, ep: int = 1) -> Stage:
+class Recomputed(nn.Module):
+    """A block whose activations are recomputed in backward: only its input is kept (torch.utils.checkpoint,
+    non-reentrant, as helpers.rank.gpt's ``checkpoint="full"``)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, ep: int = 1,
+          recompute: str = "none") -> Stage:
     """On the meta device, the course GPT's blocks ``layers`` (their indices in the whole model) of one stage at
-    ``shape`` (``mesh``: device meshes by name): TP + SP over ``mesh["tp"]`` (dense shapes), FSDP2 with bf16 compute over ``mesh["dp"]``; for a
-    ``shape["moe"]`` each block's MLP is a :class:`BalancedMoE` over ``mesh["ep"]`` (or, in the first
-    ``dense_layers``, a dense one of ``dense_ffn``), its experts sharded over ``mesh["edp"]`` (the dp ranks that hold
-    the same experts)."""
+    ``shape`` (``mesh``: device meshes by name): TP + SP over ``mesh["tp"]`` (dense shapes), FSDP2 with bf16
+    compute over ``mesh["dp"]``; for a ``shape["moe"]`` each block's MLP is a :class:`BalancedMoE` over
+    ``mesh["ep"]`` (or, in the first ``dense_layers``, a dense one of ``dense_ffn``), its experts sharded over
+    ``mesh["edp"]`` (the dp ranks that hold the same experts)."""
     cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"], n_layer=len(layers), n_head=shape["n_head"],
                     d_model=shape["d_model"], attention=shape["attention"])
     moe, tp = shape.get("moe"), mesh["tp"].size()
@@ -129,11 +143,14 @@ def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, e
     if tp > 1:
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], block_plan())
-        edges = edge_plan(first, last)
-        if edges:
-            parallelize_module(model, mesh["tp"], edges)
+    if recompute == "full":  # before sharding, as torchtitan applies activation checkpointing before FSDP2
+        model.blocks = nn.ModuleList(Recomputed(block) for block in model.blocks)
+    edges = edge_plan(first, last) if tp > 1 else {}
+    if edges:  # the first block's input sharded before a Recomputed block keeps it
+        parallelize_module(model, mesh["tp"], edges)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
+        block = block.block if isinstance(block, Recomputed) else block
         if isinstance(block.mlp, BalancedMoE):
             fully_shard(block.mlp.experts, mesh=mesh["edp"], mp_policy=bf16)
         fully_shard(block, mesh=mesh["dp"], mp_policy=bf16)
