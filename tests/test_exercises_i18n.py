@@ -42,7 +42,7 @@ def test_every_message_is_marked_and_found():
     modules = {s.occurrence.split(":")[0] for s in sources}
     checkers = {"__init__.py", "env.py", "faults.py", "fsdp.py", "practice.py", "ranks.py", "write.py",
                 "write_zero.py", "zero.py", "write_tp.py", "write_gpt.py", "write_pp.py", "write_trace.py",
-                "write_cp.py", "write_moe.py"}
+                "write_cp.py", "write_moe.py", "write_scale.py"}
     # the checkers, then the widgets' labels and tables and notebook 00's verdict (translate.MARKED)
     assert modules == {f"helpers/notebook/exercises/{name}" for name in checkers} | {
         "helpers/notebook/widgets.py", "helpers/notebook/config_builder.py", "helpers/notebook/step_calculator.py",
@@ -51,7 +51,8 @@ def test_every_message_is_marked_and_found():
         # notebooks 08, 09 and 10's tables and plot labels
         *(f"helpers/notebook/lessons/{name}.py" for name in ("activations", "tp", "pipeline", "schedules", "layout")),
         "helpers/notebook/lessons/cp.py",  # notebook 12's tables and plot labels
-        "helpers/notebook/lessons/moe.py"}  # notebook 13's
+        "helpers/notebook/lessons/moe.py",  # notebook 13's
+        "helpers/notebook/lessons/at_scale.py", "helpers/notebook/lessons/at_scale_plan.py"}  # notebook 14's
     assert len({s.msgid for s in sources}) > 200
 
 
@@ -179,6 +180,14 @@ CASES = {
         lambda: zero.check_comm_multiple(4.5, stage=2, accumulation=4),
         "Correct: 4.5x: 4 gradient all-reduces per step plus an all-gather of the updated weights, half an "
         "all-reduce's bytes."),
+    "state bytes right": (
+        lambda: write.check_state_bytes(2013265920, layers=20, d_model=8192, tp=8, dp=16),
+        "Correct: 2.013e+09 bytes: 20 blocks x 12 h² / tp = 2.013e+09 parameters on a TP rank, x 16 bytes (fp32 "
+        "parameter, gradient and two AdamW moments), / dp 16."),
+    "state bytes wrong": (
+        lambda: write.check_state_bytes(2013265920 * 16, layers=20, d_model=8192, tp=8, dp=16),
+        "Not yet: 3.221e+10 bytes is not it.\nHint: That is before FSDP2 shards them: all three states are divided "
+        "over the dp ranks."),
 }
 
 

@@ -122,7 +122,7 @@ def localize_comments(source: str, table: dict[str, str]) -> str:
 MARKED = tuple(Path(__file__).resolve().parent / name for name in (
     "widgets.py", "config_builder.py", "step_calculator.py", "env.py", "lessons/step.py",
     "lessons/comm_model.py", "lessons/activations.py", "lessons/tp.py", "lessons/pipeline.py", "lessons/schedules.py",
-    "lessons/layout.py", "lessons/cp.py", "lessons/moe.py"))
+    "lessons/layout.py", "lessons/cp.py", "lessons/moe.py", "lessons/at_scale.py", "lessons/at_scale_plan.py"))
 # beside the exercise checkers: modules whose _() messages (widget labels, the calculators' and lessons' tables and
 # plot labels, notebook 00's verdict) go into the same catalogue
 

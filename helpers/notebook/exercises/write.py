@@ -34,6 +34,7 @@ from .write_gpt import check_checkpointing, check_layer_bytes  # noqa: F401  (no
 from .write_tp import check_tp_bytes, check_tp_linears  # noqa: F401  (notebook 09)
 from .write_cp import check_ring_bytes, check_ring_step  # noqa: F401  (notebook 12)
 from .write_moe import check_dispatch, check_dispatch_bytes  # noqa: F401  (notebook 13)
+from .write_scale import check_layout, check_state_bytes  # noqa: F401  (notebook 14)
 from .write_pp import check_1f1b_order, check_bubble  # noqa: F401  (notebook 10)
 from .write_trace import check_diagnosis, check_exposed, check_grad_sync  # noqa: F401  (notebooks 06, 11)
 
