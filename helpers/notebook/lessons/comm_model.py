@@ -39,7 +39,7 @@ from ...calc import comm
 from ...calc import traces as calc
 from .. import traces
 from ..checks import claim
-from ..i18n import AUTO, Cell, Lines, _
+from ..i18n import AUTO, Cell, Lines, _, say
 from .step import LAYERS, rows, show
 
 LABEL = "sweep "
@@ -379,7 +379,7 @@ def claim_agreement(rows_: list[dict], sweep, again, cfg) -> None:
     noise = max(block_spread(sweep, cfg.profiled), block_spread(again, cfg.profiled))
     measured = f"median miss {miss:.2f} vs band {drift:.2f} + {noise:.2f}"
     if not cfg.own_cores:
-        print(f"{cfg.nproc} ranks on {cfg.cores} cores take turns: the model against the traces is a reading here, "
+        say(f"{cfg.nproc} ranks on {cfg.cores} cores take turns: the model against the traces is a reading here, "
               f"not a claim (measured: {measured})")
         return
     claim("where the collectives run alone (one bucket, no overlap, FSDP2, ZeRO-1), the model misses the trace by no "
@@ -403,16 +403,16 @@ def claim_residuals(model: dict, table: list[dict], sweep, cfg) -> None:
     if not priced:
         return  # one rank: claim_model's claim
     if not cfg.own_cores:
-        print(f"{cfg.nproc} ranks on {cfg.cores} cores take turns: every call also waits for a core, idle or not, so "
-              "the cost of idling and of computing beside a collective is not compared here.")
+        say(f"{cfg.nproc} ranks on {cfg.cores} cores take turns: every call also waits for a core, idle or not, so "
+            "the cost of idling and of computing beside a collective is not compared here.")
     else:
         longest, noise = max(model["all_reduce"]["by_idle"]), spread(sweep)
         penalty = idle_penalty(model)
         # read, not claimed: over clean-clone runs here it cleared the noise by 1.44 against 1.10 and fell below it
         # once in five (a make test of 2026-12-07), so the machine decides it
-        print(f"A collective that follows {longest:g} ms without communication, against one right after another: "
-              "the median ratio below 1 MiB, beside 1 + the gap between a size's two fastest calls (the sweep's own "
-              f"noise); a reading, not a claim (measured: {penalty:.2f} vs {1 + noise:.2f})")
+        say(f"A collective that follows {longest:g} ms without communication, against one right after another: "
+            "the median ratio below 1 MiB, beside 1 + the gap between a size's two fastest calls (the sweep's own "
+            f"noise); a reading, not a claim (measured: {penalty:.2f} vs {1 + noise:.2f})")
         alone = [priced[c]["ratio"] for c in ALONE if c in priced]
         if "buckets" in priced and alone:
             claim("computing beside its all-reduces makes them slower: the buckets' trace is further above the model "
