@@ -55,11 +55,10 @@ def read_layout(answer, gpus: int) -> dict | str:
 
 def _measure(model: str, lay: dict, microbatches: int) -> dict:
     """The first and last stage simulated: {stage: held(...)} (a process per stage)."""
-    from ..lessons.at_scale import held, simulate
+    from ..lessons.at_scale import first_and_last
 
-    return {stage: held(simulate(model, world=lay["dp"] * lay["tp"] * lay["pp"], tp=lay["tp"], pp=lay["pp"],
-                                 stage=stage), microbatches)
-            for stage in sorted({0, lay["pp"] - 1})}
+    ends = first_and_last(model, lay["dp"], lay["tp"], lay["pp"], microbatches)
+    return {stage: h for stage, (_, h) in ends.items()}
 
 
 @functools.lru_cache(maxsize=8)

@@ -58,11 +58,28 @@ def simulate(model: str, world: int, tp: int = 1, pp: int = 1, stage: int = 0, e
         raise ValueError(problem)
     args = ["--model", model, "--world", world, "--tp", tp, "--pp", pp, "--stage", stage, "--ep", ep,
             "--checkpoint", checkpoint, "--json", *(["--seq-len", seq_len] if seq_len else [])]
-    run = launch.python(SCRIPT, args, timeout=600, name=f"14_{model}_{world}_stage{stage}")
+    return _json_run(SCRIPT, args, f"14_{model}_{world}_stage{stage}")
+
+
+def _json_run(script, args: list, name: str) -> dict:
+    """``python script args`` in a process of its own: the last JSON line it printed, or RuntimeError with its
+    output's end."""
+    run = launch.python(script, args, timeout=600, name=name)
     found = [text for text in run.output.splitlines() if text.startswith("{")]
     if run.returncode or not found:
-        raise RuntimeError(f"course/gpt_at_scale.py {' '.join(map(str, args))} failed:\n{run.output[-3000:]}")
+        raise RuntimeError(f"course/{script.name} {' '.join(map(str, args))} failed:\n{run.output[-3000:]}")
     return json.loads(found[-1])
+
+
+def first_and_last(model: str, dp: int, tp: int, pp: int, microbatches: int, ep: int = 1,
+                   checkpoint: str = "none", seq_len: int | None = None) -> dict:
+    """{stage: (simulation, :func:`held`)} for the first and the last pipeline stage of a layout."""
+    out = {}
+    for stage in sorted({0, pp - 1}):
+        r = simulate(model, world=dp * tp * pp, tp=tp, pp=pp, stage=stage, ep=ep, checkpoint=checkpoint,
+                     seq_len=seq_len)
+        out[stage] = (r, held(r, microbatches))
+    return out
 
 
 def show_script() -> None:
@@ -231,11 +248,7 @@ def claim_published(found: list[tuple[dict, dict]]) -> None:
 
 def local_ranks(world: int = 16, tp: int = 4) -> dict:
     """course/gpt_local.py's step on ``world`` ranks simulated by LocalTensor in one process (its JSON line)."""
-    run = launch.python(LOCAL_SCRIPT, ["--simulate", world, "--tp", tp], timeout=600, name=f"14_local_{world}")
-    found = [text for text in run.output.splitlines() if text.startswith("{")]
-    if run.returncode or not found:
-        raise RuntimeError(f"course/gpt_local.py --simulate {world} failed:\n{run.output[-3000:]}")
-    return json.loads(found[-1])
+    return _json_run(LOCAL_SCRIPT, ["--simulate", world, "--tp", tp], f"14_local_{world}")
 
 
 LOC = ((10, "<"), (8, ">"), (6, ">"), (6, ">"), (12, ">"), (12, ">"))

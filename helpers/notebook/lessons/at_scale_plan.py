@@ -21,7 +21,7 @@ import ipywidgets as w
 
 from ...calc import plan, scale
 from ..i18n import Lines, _, localized
-from .at_scale import GIB, held, simulate
+from .at_scale import GIB, first_and_last
 from .table import columns, line, show
 
 DEFAULT = dict(model="llama3-70b", gpus=128, gpu_gb=80, seq_len=8192, global_batch=512)
@@ -41,10 +41,9 @@ def confirm(model: str, seq_len: int, gpu_gb: float, fit: dict) -> dict:
     lay = fit["layout"]
     checkpoint = "full" if lay["checkpoint"] == "full" else "none"  # selective: the same bytes with sdpa attention
     out = {}
-    for stage in sorted({0, lay["pp"] - 1}):
-        r = simulate(model, world=lay["dp"] * lay["tp"] * lay["pp"], tp=lay["tp"], pp=lay["pp"], stage=stage,
-                     ep=lay["ep"], checkpoint=checkpoint, seq_len=seq_len)
-        h, f = held(r, lay["microbatches"]), r["formula"]
+    for stage, (r, h) in first_and_last(model, lay["dp"], lay["tp"], lay["pp"], lay["microbatches"], lay["ep"],
+                                        checkpoint, seq_len).items():
+        f = r["formula"]
         formula = sum(f[k] for k in ("params", "grads", "optimizer")) + h["in_flight"] * f["activations"]
         out[stage] = dict(formula=formula, simulated=h["states"] + h["activations"], rest=h["rest"],
                           total=h["total"], fits=h["total"] <= gpu_gb * 1e9)
