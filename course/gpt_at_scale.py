@@ -5,6 +5,7 @@ Run it from any directory, in a terminal (after `pip install -e .`, which `make 
     python course/gpt_at_scale.py --model llama3-8b --world 64 --tp 8           # FSDP2 over 8, TP + SP over 8
     python course/gpt_at_scale.py --model gpt3-175b --world 1024 --tp 8 --pp 16 --stage 1
     python course/gpt_at_scale.py --model deepseek-v3 --world 2048 --tp 1 --pp 16 --ep 64 --stage 1
+    python course/gpt_at_scale.py --model llama3-405b --seq-len 131072 --world 16384 --tp 8 --pp 16 --cp 16
 
 The process joins a fake process group of --world ranks as rank 0 (torch.testing._internal.distributed.fake_pg:
 every collective returns at once and moves nothing). The course GPT (helpers.rank.gpt) is built at a published
@@ -14,12 +15,14 @@ numbers would be faked); then it is materialised under FakeTensorMode, where eve
 size and none has storage. Then one training step of one micro-batch on the layers of pipeline stage --stage of
 --pp: the blocks split Megatron-style over --tp with sequence parallelism (course/gpt_tp.py's plan), FSDP2 over the
 data-parallel ranks with fp32 shards and bf16 compute, AdamW; a mixture of experts' routed experts spread over --ep
-of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE), sharded over the rest. FSDPMemTracker
+of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE), sharded over the rest; with --cp, each sequence
+split over the CP ranks in the zig-zag layout and attention run as chapter 12's ring (helpers.rank.cp), FSDP2 over
+the data-parallel and CP ranks together. FSDPMemTracker
 (torch.distributed._tools) splits the rank's memory into sharded parameters, gradients, optimizer state, activations
 and FSDP's communication buffers, and the highest total of forward and backward (read before the optimizer's
 step: while AdamW steps on FSDP2's DTensor shards under the fake group, the tracker counts states at their unsharded
 size, which a real rank never allocates; its states after the step are the shard's). The script prints them, and
-the bytes the all-to-alls would send, beside the course's formulas (helpers.calc.scale.expected), or writes them
+the bytes the all-to-alls and the ring would send, beside the course's formulas (helpers.calc.scale.expected), or writes them
 as JSON with --json.
 
 The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
@@ -36,6 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from helpers.calc import scale, stages
+from helpers.rank import cp
 from helpers.rank.at_scale import build
 from helpers.rank.moe import STATS
 from helpers.rank.runtime import end_rank
@@ -55,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--stage", type=int, default=0, help="the stage whose rank 0 is simulated")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp (a MoE model)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: ring attention, zig-zag (a dense model)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--checkpoint", choices=("none", "full"), default="none",
                    help="full: recompute each block in backward (only its input is kept)")
@@ -67,28 +72,29 @@ def simulate(args) -> dict:
     shape = dict(scale.MODELS[args.model])
     if args.seq_len:
         shape["seq_len"] = args.seq_len
-    problem = scale.layout_problem(shape, args.world, args.tp, args.pp, args.stage, args.ep)
+    problem = scale.layout_problem(shape, args.world, args.tp, args.pp, args.stage, args.ep, args.cp)
     if problem:
         raise SystemExit(problem)
-    dp = args.world // (args.tp * args.pp)
+    dp = args.world // (args.tp * args.pp * args.cp)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     try:
-        mesh = init_device_mesh("cpu", (args.pp, dp // args.ep, args.ep, args.tp),
-                                mesh_dim_names=("pp", "edp", "ep", "tp"))
-        meshes = {name: mesh[name] for name in ("edp", "ep", "tp")}
-        meshes["dp"] = mesh["edp", "ep"]._flatten("dp")  # the dense weights' FSDP group: edp x ep (torchtitan's way)
+        mesh = init_device_mesh("cpu", (args.pp, dp // args.ep, args.ep, args.cp, args.tp),
+                                mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+        meshes = {name: mesh[name] for name in ("edp", "ep", "cp", "tp")}
+        meshes["dp"] = mesh["edp", "ep", "cp"]._flatten("dp")  # the dense weights' FSDP group (torchtitan's way)
         layers = stages.rank_layers(shape, args.pp, args.stage)
         # on the meta device: the mesh's rank numbers stay real tensors
         model = build(shape, layers, args.stage == 0, args.stage == args.pp - 1, meshes, args.ep, args.checkpoint)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")  # fake tensors: a size, no storage
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            b, s = args.micro_batch, shape["seq_len"]
+            b, s = args.micro_batch, shape["seq_len"] // args.cp  # this rank's positions of each sequence
             if args.stage == 0:
                 x = torch.randint(0, shape["vocab"], (b, s))
             else:  # the previous stage's output, this rank's s / tp positions under SP
                 x = torch.randn(b, s // args.tp, shape["d_model"], dtype=torch.bfloat16, requires_grad=True)
-            STATS.reset()  # the MoE layers count the bytes their all-to-alls send
+            STATS.reset()  # the MoE layers count the bytes their all-to-alls send, the ring its own
+            cp.STATS.reset()
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((x,))
             with tracker:
@@ -109,10 +115,13 @@ def simulate(args) -> dict:
     measured["activations after forward"] = sum(_bytes(after_forward, k) for k in (_FSDPRefType.ACT, _FSDPRefType.INP))
     measured["peak"] = sum(per["Total"] for per in peak.values())  # every kind at the step's highest moment
     measured["all-to-all bytes sent"] = sum(v for d in STATS.sent_bytes.values() for v in d.values())
+    measured["ring bytes sent"] = sum(phase["sent_bytes"] for phase in cp.STATS.counts.values())
     return dict(model=args.model, shape=shape, world=args.world, tp=args.tp, pp=args.pp, dp=dp, ep=args.ep,
-                stage=args.stage, micro_batch=args.micro_batch, checkpoint=args.checkpoint, measured=measured,
+                cp=args.cp, stage=args.stage, micro_batch=args.micro_batch, checkpoint=args.checkpoint,
+                measured=measured,
                 formula=scale.expected(shape, world=args.world, tp=args.tp, pp=args.pp, stage=args.stage,
-                                       micro_batch=args.micro_batch, ep=args.ep, checkpoint=args.checkpoint))
+                                       micro_batch=args.micro_batch, ep=args.ep, checkpoint=args.checkpoint,
+                                       cp=args.cp))
 
 
 def _bytes(snapshot: dict, kind) -> int:
@@ -127,16 +136,17 @@ def main(argv=None) -> int:
         print(json.dumps(result))
         return 0
     f, m = result["formula"], result["measured"]
-    print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x tp {args.tp} x pp {args.pp}, "
+    print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x cp {args.cp} x tp {args.tp} x "
+          f"pp {args.pp}, "
           f"stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} "
           f"tokens, checkpoint {args.checkpoint}")
     for key in ("params", "grads", "optimizer"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
     print(f"  {'activations after forward':28s} {m['activations after forward'] / 2**30:9.3f} GiB   "
           f"formula {f['activations'] / 2**30:9.3f} GiB")
-    if args.ep > 1:
-        print(f"  {'all-to-all bytes sent':28s} {m['all-to-all bytes sent'] / 2**30:9.3f} GiB   "
-              f"formula {f['all-to-all bytes sent'] / 2**30:9.3f} GiB")
+    for key in ("all-to-all bytes sent", "ring bytes sent"):
+        if (args.ep if key.startswith("all") else args.cp) > 1:
+            print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
     for key in ("all-gather buffers", "reduce-scatter buffers", "unsharded params", "temporaries"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   (at the peak)")
     print(f"  {'peak, everything':28s} {m['peak'] / 2**30:9.3f} GiB")

@@ -80,6 +80,37 @@ def test_deepseek_v3s_experts_over_ep_64_hold_the_formulas_states_activations_an
     assert (m["all-to-all bytes sent"] > 0) == (stage == 1)  # layers 0-2 are dense
 
 
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_context_parallel_ranks_hold_the_formulas_bytes_and_the_ring_sends_chapter_12s(checkpoint):
+    """CP 4 x TP 2 on 2 blocks of GPT-3's width: FSDP2 shards over dp x cp (the CP ranks hold the same weights), a
+    rank keeps its s / cp positions' activations with attention kept as ring attention keeps it (q, k, v, the output
+    and its fp32 log-sum-exp), and the ring sends 2 (cp - 1) K/V blocks a layer forward, 4 (cp - 1) backward, the
+    forward's twice with recomputation: all equal to the formulas (nothing is sent: fake tensors, a fake group)."""
+    r = simulate(*STAGES, "--world", 48 * 2 * 4 * 2, "--tp", 2, "--cp", 4, "--stage", 1, "--checkpoint", checkpoint)
+    m, f = r["measured"], r["formula"]
+    assert (r["dp"], r["cp"], f["blocks"]) == (2, 4, 2)
+    for key in ("params", "grads", "optimizer"):
+        assert f[key] <= m[key] <= f[key] + 4 * 4 * r["shape"]["d_model"], key
+    assert m["activations after forward"] == f["activations"]
+    block = 2048 // 4 * 12288 // 2 * 2  # K or V of a rank's 512 positions, its 48 heads, bf16
+    assert m["ring bytes sent"] == f["ring bytes sent"] == 2 * 3 * block * ((2 if checkpoint == "full" else 1) * 2 + 4)
+    without = scale.expected(r["shape"], world=768, tp=2, pp=48, stage=1, checkpoint=checkpoint)
+    assert f["activations"] < without["activations"] / 3.5  # a quarter of the tokens: a quarter of nearly everything
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--model", "llama3-8b", "--world", 64, "--tp", 8, "--cp", 3], "--cp 3 = 24 does not divide --world 64"),
+    (["--model", "llama3-8b", "--world", 64, "--tp", 8, "--cp", 8, "--seq-len", 1000],
+     "do not split into 128; use a sequence length that is a multiple of 128"),
+    (["--model", "deepseek-v3", "--world", 4096, "--tp", 1, "--pp", 16, "--ep", 8, "--cp", 2],
+     "context parallelism for dense models only"),
+])
+def test_a_context_parallel_layout_that_cannot_be_built_is_refused_before_anything_is(argv, problem):
+    with pytest.raises(SystemExit, match=problem):
+        simulate(*argv)
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("argv, problem", [
     (["--model", "deepseek-v3", "--world", 2048, "--tp", 1, "--pp", 16, "--ep", 3], "--ep 3 does not divide the 128"),
     (["--model", "deepseek-v3", "--world", 3 * 16 * 256, "--tp", 1, "--pp", 16, "--ep", 3],

@@ -70,7 +70,7 @@ def test_layout_indices_round_trip_and_cover_every_position_once(layout):
     parts = [cp.shard_sequence(x, layout, 4, r) for r in range(4)]
     assert sorted(torch.cat(parts, 1)[0].tolist()) == list(range(48))
     assert torch.equal(cp.unshard_sequence(parts, layout), x)
-    assert cp.zigzag_indices(16, 4, 1).tolist() == [2, 3, 12, 13]  # chunks 1 and 2W-1-1 = 6 of 8
+    assert cp.zigzag_positions(16, 4, 1) == [2, 3, 12, 13]  # chunks 1 and 2W-1-1 = 6 of 8
 
 
 def test_merging_blocks_by_log_sum_exp_equals_one_softmax_over_all_keys():
@@ -97,10 +97,10 @@ def test_the_simulated_ring_equals_causal_attention_and_its_work_the_formula(lay
 
 
 def test_blocks_wholly_in_the_future_are_skipped_and_half_visible_ones_cut():
-    pos = [cp.contiguous_indices(16, 4, r) for r in range(4)]
+    pos = [cp.contiguous_positions(16, 4, r) for r in range(4)]
     assert cp.visible_block(pos[0], pos[1], causal=True) is None
     assert cp.visible_block(pos[2], pos[1], causal=True) == (slice(0, 4), slice(0, 4), False)
-    zz = [cp.zigzag_indices(16, 4, r) for r in range(4)]
+    zz = [cp.zigzag_positions(16, 4, r) for r in range(4)]
     assert cp.visible_block(zz[1], zz[3], causal=True) == (slice(2, 4), slice(0, 4), False)  # 2nd chunk sees all
     assert cp.visible_block(zz[3], zz[1], causal=True) == (slice(0, 4), slice(0, 2), False)  # all see its 1st chunk
 

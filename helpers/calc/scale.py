@@ -23,6 +23,7 @@ Published hyperparameters:
 from __future__ import annotations
 
 from . import activations
+from .cp import ring_bytes_per_layer
 from .flags import divisors
 from .plan import H100_NODE, mfu, propose, step_comm_bytes
 from .stages import (microbatch_activation_bytes, split_state_bytes, stage_param_split, stage_params,
@@ -45,17 +46,24 @@ def course_params(shape: dict) -> int:
     return stage_params(shape, 1, 0, 1)
 
 
-def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int, ep: int = 1) -> str | None:
+def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int, ep: int = 1, cp: int = 1) -> str | None:
     """What makes a layout impossible before anything is built, with what would work; None when it is possible."""
-    for name, value in (("--world", world), ("--tp", tp), ("--pp", pp), ("--ep", ep)):
+    for name, value in (("--world", world), ("--tp", tp), ("--pp", pp), ("--ep", ep), ("--cp", cp)):
         if value < 1:
             return f"{name} {value}: a degree is a whole number of ranks, 1 or more"
-    if world % (tp * pp):
-        return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --world {world}: dp would not be whole"
+    if world % (tp * pp * cp):
+        return (f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide --world {world}: dp would not "
+                f"be whole")
     if shape["n_head"] % tp:
         return f"--tp {tp} does not divide the {shape['n_head']} heads; use one of {divisors(shape['n_head'])}"
     if shape["seq_len"] % tp:
         return f"--tp {tp} does not divide the sequence of {shape['seq_len']} (sequence parallelism cuts it)"
+    if cp > 1 and shape["seq_len"] % (2 * cp * tp):
+        return (f"--cp {cp}: the zig-zag layout cuts the sequence into 2 x cp = {2 * cp} chunks and sequence "
+                f"parallelism a rank's share into --tp {tp}: {shape['seq_len']} tokens do not split into "
+                f"{2 * cp * tp}; use a sequence length that is a multiple of {2 * cp * tp}")
+    if cp > 1 and "moe" in shape:
+        return f"--cp {cp}: the simulation runs context parallelism for dense models only; use --cp 1 with experts"
     if pp > shape["n_layer"]:
         return f"--pp {pp} is more stages than the {shape['n_layer']} layers"
     if stage_blocks(shape, pp, 0) is None:
@@ -64,7 +72,7 @@ def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int, ep: in
                 f"and last, one layer fewer each); use one of {', '.join(map(str, near[:12]))}")
     if not 0 <= stage < pp:
         return f"--stage {stage} is not one of the {pp} stages 0..{pp - 1}"
-    return _ep_problem(shape, world // (tp * pp), tp, ep)
+    return _ep_problem(shape, world // (tp * pp * cp), tp, ep)
 
 
 def _ep_problem(shape: dict, dp: int, tp: int, ep: int) -> str | None:
@@ -89,32 +97,39 @@ def stage_blocks(shape: dict, pp: int, stage: int) -> int | None:
 
 
 def expected(shape: dict, *, world: int, tp: int, pp: int, stage: int, micro_batch: int = 1, ep: int = 1,
-             checkpoint: str = "none") -> dict:
-    """One rank's bytes by the formulas, for FSDP2 (ZeRO-3) over ``dp = world / (tp pp)`` with fp32 sharded
-    parameters, bf16 compute and TP with torch's sequence parallelism: ``params``, ``grads`` and ``optimizer``
-    (ZeRO-3's 4 + 4 + 8 bytes per parameter, over dp; notebook 03) and ``activations`` after one micro-batch's forward
-    (notebook 08's terms in bf16, split by TP and SP as notebook 09 measured them, the all-gathered LayerNorm outputs
-    kept whole; with ``checkpoint="full"`` only each block's input), and on every stage but the last the output it
-    sends on (kept until its gradient comes back). A mixture of experts: E / ep experts per block, sharded over the
-    dp / ep ranks that hold the same ones, the MoE activations of :func:`helpers.calc.stages.mlp_activation_bytes`,
-    and the bytes its all-to-alls send in the step (:func:`helpers.calc.plan.step_comm_bytes`'s ``ep``, for this
-    stage's MoE blocks)."""
-    dp = world // (tp * pp)
+             checkpoint: str = "none", cp: int = 1) -> dict:
+    """One rank's bytes by the formulas, for FSDP2 (ZeRO-3) over ``dp = world / (tp pp cp)`` and the CP ranks (they
+    hold the same weights) with fp32 sharded parameters, bf16 compute and TP with torch's sequence parallelism:
+    ``params``, ``grads`` and ``optimizer`` (ZeRO-3's 4 + 4 + 8 bytes per parameter, over dp x cp; notebook 03) and
+    ``activations`` after one micro-batch's forward (notebook 08's terms in bf16, split by TP and SP as notebook 09
+    measured them, the all-gathered LayerNorm outputs kept whole; with ``checkpoint="full"`` only each block's input;
+    with CP at ``s / cp`` positions, attention kept as ring attention keeps it, notebook 12), and on every stage but
+    the last the output it sends on (kept until its gradient comes back). A mixture of experts: E / ep experts per
+    block, sharded over the dp / ep ranks that hold the same ones, the MoE activations of
+    :func:`helpers.calc.stages.mlp_activation_bytes`, and the bytes its all-to-alls send in the step
+    (:func:`helpers.calc.plan.step_comm_bytes`'s ``ep``, for this stage's MoE blocks). With CP, ``ring bytes sent``:
+    :func:`helpers.calc.cp.ring_bytes_per_layer` for this rank's heads, each block's forward ring run twice with
+    recomputation."""
+    dp = world // (tp * pp * cp)
     blocks = stage_blocks(shape, pp, stage)
     split = stage_param_split(shape, pp, stage, tp, ep=ep)
     n = split["dense"] + split["experts"]
-    states = split_state_bytes(split, dp, ep, 3, "fp32")
-    s, b, h, a = shape["seq_len"], micro_batch, shape["d_model"], shape["n_head"]
+    states = split_state_bytes(split, dp * cp, ep, 3, "fp32")
+    s, b, h, a = shape["seq_len"] // cp, micro_batch, shape["d_model"], shape["n_head"]  # this rank's positions
     sp = tp > 1
     args = (s, b, h, a, "bf16", shape.get("attention", "sdpa"), checkpoint, tp, sp)
     whole = activations.layer_bytes(*args, gathered_whole=sp) - activations.layer_bytes(*args)  # torch's SP plan
-    act = microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, "bf16", checkpoint) + blocks * whole
+    act = (microbatch_activation_bytes(shape, micro_batch, pp, stage, tp, sp, "bf16", checkpoint, cp=cp)
+           + blocks * whole)
     if stage < pp - 1:  # the output sent on, kept for the backward that its gradient starts
         act += activations.DTYPE_BYTES["bf16"] * s * b * h / tp
     sent = step_comm_bytes(shape, dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, precision="mixed", ep=ep,
                            stage=stage, checkpoint=checkpoint).get("ep", 0.0) if ep > 1 else 0.0
+    ring = ring_bytes_per_layer(b, shape["seq_len"], h // tp, cp, activations.DTYPE_BYTES["bf16"])
+    ring_sent = blocks * (ring["forward"] * (2 if checkpoint == "full" else 1) + ring["backward"])
     return dict(dp=dp, params_count=n, params=states["params"], grads=states["grads"],
-                optimizer=states["optimizer"], blocks=blocks, activations=act, **{"all-to-all bytes sent": sent})
+                optimizer=states["optimizer"], blocks=blocks, activations=act, **{"all-to-all bytes sent": sent},
+                **{"ring bytes sent": ring_sent})
 
 
 # ------------------------------------------------------------------------------------- published layouts, planned

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from .cp import layout_indices, ring_attention
 from .gpt import GPT, GPTConfig
 from .moe import all_to_all_rows
 from .pipeline import Stage
@@ -90,6 +91,38 @@ class BalancedMoE(nn.Module):
         return y.view(b, s, h)
 
 
+class RingSelfAttention(nn.Module):
+    """The course GPT's attention (its own q, k, v and proj, so TP's plan splits it as before) on this rank's ``s / cp``
+    positions, its core ring attention over the CP group ``group`` in the zig-zag layout (helpers.rank.cp, notebook
+    12): q, k, v and the output kept for backward, the K/V blocks passed round the ring."""
+
+    def __init__(self, attn: nn.Module, group):
+        super().__init__()
+        self.q, self.k, self.v, self.proj = attn.q, attn.k, attn.v, attn.proj
+        self.head_dim, self.group = attn.head_dim, group
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (lin(x).view(b, s, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        return self.proj(ring_attention(q, k, v, self.group, causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class ContextParallelStage(Stage):
+    """A pipeline stage whose micro-batch holds CP rank ``cp_rank``'s positions of each sequence (zig-zag, notebook
+    12): the position embedding reads those positions, not ``0 .. s / cp``."""
+
+    def __init__(self, gpt, blocks: list[int], first: bool, last: bool, cp: int, cp_rank: int):
+        super().__init__(gpt, blocks, first, last)
+        self.cp, self.cp_rank = cp, cp_rank
+
+    def forward(self, x):
+        if self.tok_emb is not None:
+            x = self.tok_emb(x) + self.pos_emb(layout_indices("zigzag", x.size(1) * self.cp, self.cp, self.cp_rank))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.head is not None else x
+
+
 def block_plan() -> dict:
     """Megatron's split of one Block with sequence parallelism (course/gpt_tp.py --sp)."""
     seq = Shard(1)  # dim 1 of (batch, seq, d_model)
@@ -127,15 +160,19 @@ class Recomputed(nn.Module):
 def build(shape: dict, layers: list[int], first: bool, last: bool, mesh: dict, ep: int = 1,
           recompute: str = "none") -> Stage:
     """On the meta device, the course GPT's blocks ``layers`` (their indices in the whole model) of one stage at
-    ``shape`` (``mesh``: device meshes by name): TP + SP over ``mesh["tp"]`` (dense shapes), FSDP2 with bf16
-    compute over ``mesh["dp"]``; for a ``shape["moe"]`` each block's MLP is a :class:`BalancedMoE` over
-    ``mesh["ep"]`` (or, in the first ``dense_layers``, a dense one of ``dense_ffn``), its experts sharded over
-    ``mesh["edp"]`` (the dp ranks that hold the same experts)."""
+    ``shape`` (``mesh``: device meshes by name): TP + SP over ``mesh["tp"]`` (dense shapes), ring attention over
+    ``mesh["cp"]`` where there is one (:class:`RingSelfAttention`), FSDP2 with bf16 compute over ``mesh["dp"]`` (the
+    data-parallel ranks, and the CP ranks with them: they hold the same weights); for a ``shape["moe"]`` each block's
+    MLP is a :class:`BalancedMoE` over ``mesh["ep"]`` (or, in the first ``dense_layers``, a dense one of
+    ``dense_ffn``), its experts sharded over ``mesh["edp"]`` (the dp ranks that hold the same experts)."""
     cfg = GPTConfig(vocab_size=shape["vocab"], seq_len=shape["seq_len"], n_layer=len(layers), n_head=shape["n_head"],
                     d_model=shape["d_model"], attention=shape["attention"])
-    moe, tp = shape.get("moe"), mesh["tp"].size()
+    moe, tp, cp = shape.get("moe"), mesh["tp"].size(), mesh["cp"].size() if "cp" in mesh else 1
     with torch.device("meta"):  # shapes only: sharded before any storage exists, as torchtitan builds a model
-        model = Stage(GPT(cfg), list(range(len(layers))), first, last)
+        model = (ContextParallelStage(GPT(cfg), list(range(len(layers))), first, last, cp, mesh["cp"].get_local_rank())
+                 if cp > 1 else Stage(GPT(cfg), list(range(len(layers))), first, last))
+        for block in model.blocks if cp > 1 else []:
+            block.attn = RingSelfAttention(block.attn, mesh["cp"].get_group())
         for block, layer in zip(model.blocks, layers) if moe else []:
             glu = moe.get("matrices", 2) == 3
             block.mlp = (BalancedMoE(cfg.d_model, moe, mesh["ep"].get_group(), ep)

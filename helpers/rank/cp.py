@@ -13,7 +13,7 @@ attention still sees the whole sequence (notebook 12, course/gpt_cp.py).
 
 Layouts: "contiguous" gives rank ``r`` positions ``[r s/W, (r+1) s/W)``: under the causal mask the last rank attends to
 everything and the first to one block (work ``1 : 2 : ... : W``). "zigzag" cuts the sequence into ``2W`` chunks and
-gives rank ``r`` chunks ``r`` and ``2W-1-r``: every rank the same work (:func:`zigzag_indices`).
+gives rank ``r`` chunks ``r`` and ``2W-1-r``: every rank the same work (:func:`zigzag_positions`).
 
 Every call counts what this rank did in :data:`STATS` (bytes sent/received, blocks computed/skipped, query-key
 pairs computed, seconds computing), per phase, read by the script and compared with :mod:`helpers.calc.cp`.
@@ -25,6 +25,7 @@ Example (inside a rank; q, k, v: (batch, heads, s / W, head_dim), this rank's po
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import gc
 import math
@@ -47,32 +48,42 @@ _KV_TAG, _DKV_TAG = 12, 13  # the ring's two kinds of message between the same p
 # ---------------------------------------------------------------------------------------------- layouts
 
 
-def zigzag_indices(seq_len: int, world: int, rank: int) -> torch.Tensor:
+def zigzag_positions(seq_len: int, world: int, rank: int) -> list[int]:
     """The positions rank ``rank`` of ``world`` holds under the zig-zag layout: chunks ``rank`` and
     ``2 world - 1 - rank`` of ``2 world`` equal chunks, in order.
 
-        >>> zigzag_indices(8, 2, 0).tolist()
+        >>> zigzag_positions(8, 2, 0)
         [0, 1, 6, 7]
     """
     if seq_len % (2 * world):
         raise ValueError(f"zig-zag needs seq_len divisible by 2 x CP = {2 * world}, got {seq_len}")
     c = seq_len // (2 * world)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c,
-                                                                           (2 * world - rank) * c)])
+    return [*range(rank * c, (rank + 1) * c), *range((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
 
 
-def contiguous_indices(seq_len: int, world: int, rank: int) -> torch.Tensor:
+def contiguous_positions(seq_len: int, world: int, rank: int) -> list[int]:
     """Positions ``[rank s/W, (rank+1) s/W)``."""
     if seq_len % world:
         raise ValueError(f"the contiguous layout needs seq_len divisible by CP = {world}, got {seq_len}")
-    return torch.arange(rank * seq_len // world, (rank + 1) * seq_len // world)
+    return list(range(rank * seq_len // world, (rank + 1) * seq_len // world))
+
+
+def layout_positions(layout: str, seq_len: int, world: int, rank: int) -> list[int]:
+    """The positions (ascending, Python ints) rank ``rank`` holds under ``layout`` (:data:`LAYOUTS`). The ring decides
+    which blocks to compute from these values, which a fake tensor does not hold (notebook 14 runs the ring under
+    FakeTensorMode): so they are plain numbers, and :func:`layout_indices` the tensor made of them."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return (zigzag_positions if layout == "zigzag" else contiguous_positions)(seq_len, world, rank)
 
 
 def layout_indices(layout: str, seq_len: int, world: int, rank: int) -> torch.Tensor:
-    """The positions (ascending) rank ``rank`` holds under ``layout`` (:data:`LAYOUTS`)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return (zigzag_indices if layout == "zigzag" else contiguous_indices)(seq_len, world, rank)
+    """:func:`layout_positions` as an int64 tensor.
+
+        >>> layout_indices("zigzag", 8, 2, 1).tolist()
+        [2, 3, 4, 5]
+    """
+    return torch.tensor(layout_positions(layout, seq_len, world, rank), dtype=torch.int64)
 
 
 def shard_sequence(t: torch.Tensor, layout: str, world: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -122,18 +133,23 @@ STATS = CPStats()
 # ---------------------------------------------------------------------------------------------- blocks
 
 
-def visible_block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
+def visible_block(q_pos, k_pos, causal: bool):
     """(rows, cols, masked) of the query rows and key columns in which the causal mask leaves any pair (slices: both
     position lists ascend, so the rows are a suffix and the columns a prefix), ``masked``: some pair in that rectangle
-    is in the future; None when every pair is (the block is skipped)."""
+    is in the future; None when every pair is (the block is skipped). Positions: Python ints or real tensors."""
+    q_pos, k_pos = _ints(q_pos), _ints(k_pos)
     n, m = len(q_pos), len(k_pos)
     if not causal:
         return slice(0, n), slice(0, m), False
-    r0 = int(torch.searchsorted(q_pos, k_pos[0]))  # first query that sees the first key
-    c1 = int(torch.searchsorted(k_pos, q_pos[-1], right=True))  # keys up to the last query's position
+    r0 = bisect.bisect_left(q_pos, k_pos[0])  # first query that sees the first key
+    c1 = bisect.bisect_right(k_pos, q_pos[-1])  # keys up to the last query's position
     if r0 == n or c1 == 0:
         return None
-    return slice(r0, n), slice(0, c1), bool(k_pos[c1 - 1] > q_pos[r0])
+    return slice(r0, n), slice(0, c1), k_pos[c1 - 1] > q_pos[r0]
+
+
+def _ints(pos) -> list[int]:
+    return pos.tolist() if isinstance(pos, torch.Tensor) else pos
 
 
 def _scores(q, k, q_pos, k_pos, masked: bool, scale: float):
@@ -141,11 +157,12 @@ def _scores(q, k, q_pos, k_pos, masked: bool, scale: float):
     return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf")) if masked else s
 
 
-def block_attention(q, k, v, q_pos, k_pos, causal: bool = True):
+def block_attention(q, k, v, q_pos, k_pos, causal: bool = True, seen=...):
     """Attention of queries ``q`` over ONE block of keys/values: ``(rows, out, lse, pairs)`` for the visible rows (out:
     the softmax over this block only, lse: log-sum-exp of its scores, pairs: query-key pairs computed per batch x
-    head), or None when the mask hides the whole block."""
-    seen = visible_block(q_pos, k_pos, causal)
+    head), or None when the mask hides the whole block. ``seen``: :func:`visible_block`'s answer for these positions,
+    where the caller has it (the ring: from Python ints, as fake position tensors cannot give it)."""
+    seen = visible_block(q_pos, k_pos, causal) if seen is ... else seen
     if seen is None:
         return None
     rows, cols, masked = seen
@@ -232,14 +249,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout):
         me, w, _, _ = _ring_peers(group)
-        s = q.size(-2) * w
-        pos = [layout_indices(layout, s, w, r).to(q.device) for r in range(w)]
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        ids = [layout_positions(layout, q.size(-2) * w, w, r) for r in range(w)]  # numbers: which blocks to compute
+        pos = [torch.tensor(p, device=q.device) for p in ids]  # tensors: the mask inside a block
+        wide = torch.promote_types(q.dtype, torch.float32)  # the log-sum-exp in fp32 at least, as flash keeps it
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
         kv = [k.contiguous(), v.contiguous()]
         for step, src in enumerate(ring_order(w, me)):
             pending = _exchange(kv, group, _KV_TAG, "forward") if step + 1 < w else None  # next block in flight
             t0 = time.perf_counter()
-            block = block_attention(q, kv[0], kv[1], pos[me], pos[src], causal)
+            block = block_attention(q, kv[0], kv[1], pos[me], pos[src], seen=visible_block(ids[me], ids[src], causal))
             if block is None:
                 STATS.add("forward", blocks_skipped=1)
             else:
@@ -251,13 +269,14 @@ class _RingAttention(torch.autograd.Function):
                 kv, works = pending
                 _wait(works)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.pos = group, causal, pos
+        ctx.group, ctx.causal, ctx.ids = group, causal, ids  # numbers, not tensors: nothing more kept per rank
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, pos = ctx.group, ctx.causal, ctx.pos
+        group, causal, ids = ctx.group, ctx.causal, ctx.ids
+        pos = [torch.tensor(p, device=q.device) for p in ids]
         me, w, _, _ = _ring_peers(group)
         scale = 1.0 / math.sqrt(q.size(-1))
         delta = (dout * out).sum(-1)  # rowsum(dO * O): softmax's backward term, once for all blocks
@@ -271,13 +290,14 @@ class _RingAttention(torch.autograd.Function):
             else:
                 acc = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]
             t0 = time.perf_counter()
-            seen = visible_block(pos[me], pos[src], causal)
+            seen = visible_block(ids[me], ids[src], causal)
             if seen is None:
                 STATS.add("backward", blocks_skipped=1)
             else:
                 rows, cols, masked = seen
                 qr, kc, vc, do = q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], dout[..., rows, :]
-                p = torch.exp(_scores(qr, kc, pos[me][rows], pos[src][cols], masked, scale) - lse[..., rows, None])
+                p = torch.exp(_scores(qr, kc, pos[me][rows], pos[src][cols], masked, scale)
+                              - lse[..., rows, None]).to(q.dtype)
                 ds = p * (do @ vc.transpose(-2, -1) - delta[..., rows, None])
                 dq[..., rows, :] += (ds @ kc) * scale
                 dk, dv = (dk_own, dv_own) if step == 0 else acc
