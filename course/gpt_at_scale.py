@@ -10,20 +10,17 @@ Run it from any directory, in a terminal (after `pip install -e .`, which `make 
 The process joins a fake process group of --world ranks as rank 0 (torch.testing._internal.distributed.fake_pg:
 every collective returns at once and moves nothing). The course GPT (helpers.rank.gpt) is built at a published
 model's shape (helpers.calc.scale.MODELS) on the meta device, where init_device_mesh, parallelize_module and
-fully_shard build exactly what rank 0 of the real job would hold (inside FakeTensorMode they cannot: the mesh's rank
-numbers would be faked); then it is materialised under FakeTensorMode, where every tensor has its shape, dtype and
-size and none has storage. Then one training step of one micro-batch on the layers of pipeline stage --stage of
---pp: the blocks split Megatron-style over --tp with sequence parallelism (course/gpt_tp.py's plan), FSDP2 over the
-data-parallel ranks with fp32 shards and bf16 compute, AdamW; a mixture of experts' routed experts spread over --ep
-of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE), sharded over the rest; with --cp, each sequence
-split over the CP ranks in the zig-zag layout and attention run as chapter 12's ring (helpers.rank.cp), FSDP2 over
-the data-parallel and CP ranks together. FSDPMemTracker
+fully_shard build what rank 0 of the real job would hold (inside FakeTensorMode the mesh's rank numbers would be
+faked), then materialised under FakeTensorMode: every tensor has its shape, dtype and size, none has storage. One
+training step of one micro-batch on the layers of stage --stage of --pp: TP + SP over --tp (course/gpt_tp.py's plan),
+FSDP2 over the data-parallel ranks (fp32 shards, bf16 compute), AdamW; a mixture of experts' routed experts spread
+over --ep of the data-parallel ranks (helpers.rank.at_scale.BalancedMoE); with --cp, each sequence split over the CP
+ranks (zig-zag) and attention run as chapter 12's ring (helpers.rank.cp), FSDP2 over dp x cp. FSDPMemTracker
 (torch.distributed._tools) splits the rank's memory into sharded parameters, gradients, optimizer state, activations
-and FSDP's communication buffers, and the highest total of forward and backward (read before the optimizer's
-step: while AdamW steps on FSDP2's DTensor shards under the fake group, the tracker counts states at their unsharded
-size, which a real rank never allocates; its states after the step are the shard's). The script prints them, and
-the bytes the all-to-alls and the ring would send, beside the course's formulas (helpers.calc.scale.expected), or writes them
-as JSON with --json.
+and FSDP's buffers, and the highest total of forward and backward (read before AdamW's step: under the fake group the
+tracker counts its states at their unsharded size while it steps, which a real rank never allocates). The script
+prints them and the bytes the all-to-alls and the ring send beside the course's formulas (helpers.calc.scale.expected),
+or JSON with --json; several --stage and --checkpoint values run in turn in this one process.
 
 The fake group and FakeTensorMode are private APIs (torch.testing._internal, torch._subclasses): tests/test_at_scale.py
 pins them.
@@ -57,24 +54,36 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=64, help="ranks in the job (GPUs)")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (with sequence parallelism above 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--stage", type=int, default=0, help="the stage whose rank 0 is simulated")
+    p.add_argument("--stage", type=int, nargs="+", default=[0], help="the stage(s) whose rank 0 is simulated")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp (a MoE model)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: ring attention, zig-zag (a dense model)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--checkpoint", choices=("none", "full"), default="none",
-                   help="full: recompute each block in backward (only its input is kept)")
+    p.add_argument("--checkpoint", choices=("none", "full"), nargs="+", default=["none"],
+                   help="full: recompute each block in backward (only its input is kept); several: each in turn")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--json", action="store_true", help="print a JSON object a run instead of the table")
     return p.parse_args(argv)
 
 
+def runs(args) -> list[argparse.Namespace]:
+    """One run per stage and recomputation asked for (every one in this process: torch is imported once), each
+    refused before any is built if it cannot be."""
+    todo = [argparse.Namespace(**{**vars(args), "stage": s, "checkpoint": c}) for s in args.stage
+            for c in args.checkpoint]
+    for run in todo:
+        problem = scale.layout_problem(_shape(run), run.world, run.tp, run.pp, run.stage, run.ep, run.cp)
+        if problem:
+            raise SystemExit(problem)
+    return todo
+
+
+def _shape(args) -> dict:
+    return dict(scale.MODELS[args.model], **({"seq_len": args.seq_len} if args.seq_len else {}))
+
+
 def simulate(args) -> dict:
-    shape = dict(scale.MODELS[args.model])
-    if args.seq_len:
-        shape["seq_len"] = args.seq_len
-    problem = scale.layout_problem(shape, args.world, args.tp, args.pp, args.stage, args.ep, args.cp)
-    if problem:
-        raise SystemExit(problem)
+    """One run of :func:`runs`: its measured and formula bytes."""
+    shape = _shape(args)
     dp = args.world // (args.tp * args.pp * args.cp)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     try:
@@ -116,12 +125,9 @@ def simulate(args) -> dict:
     measured["peak"] = sum(per["Total"] for per in peak.values())  # every kind at the step's highest moment
     measured["all-to-all bytes sent"] = sum(v for d in STATS.sent_bytes.values() for v in d.values())
     measured["ring bytes sent"] = sum(phase["sent_bytes"] for phase in cp.STATS.counts.values())
-    return dict(model=args.model, shape=shape, world=args.world, tp=args.tp, pp=args.pp, dp=dp, ep=args.ep,
-                cp=args.cp, stage=args.stage, micro_batch=args.micro_batch, checkpoint=args.checkpoint,
-                measured=measured,
-                formula=scale.expected(shape, world=args.world, tp=args.tp, pp=args.pp, stage=args.stage,
-                                       micro_batch=args.micro_batch, ep=args.ep, checkpoint=args.checkpoint,
-                                       cp=args.cp))
+    lay = dict(world=args.world, tp=args.tp, pp=args.pp, stage=args.stage, micro_batch=args.micro_batch, ep=args.ep,
+               checkpoint=args.checkpoint, cp=args.cp)
+    return dict(model=args.model, shape=shape, dp=dp, **lay, measured=measured, formula=scale.expected(shape, **lay))
 
 
 def _bytes(snapshot: dict, kind) -> int:
@@ -130,27 +136,26 @@ def _bytes(snapshot: dict, kind) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    result = simulate(args)
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    for args in runs(parse_args(argv)):
+        result = simulate(args)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            show(args, result)
+    return 0
+
+
+def show(args, result: dict) -> None:
     f, m = result["formula"], result["measured"]
-    print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x cp {args.cp} x tp {args.tp} x "
-          f"pp {args.pp}, "
-          f"stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x {result['shape']['seq_len']} "
-          f"tokens, checkpoint {args.checkpoint}")
-    for key in ("params", "grads", "optimizer"):
-        print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
-    print(f"  {'activations after forward':28s} {m['activations after forward'] / 2**30:9.3f} GiB   "
-          f"formula {f['activations'] / 2**30:9.3f} GiB")
-    for key in ("all-to-all bytes sent", "ring bytes sent"):
-        if (args.ep if key.startswith("all") else args.cp) > 1:
-            print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[key] / 2**30:9.3f} GiB")
+    print(f"{args.model} on {args.world} ranks: dp {result['dp']} (ep {args.ep}) x cp {args.cp} x tp {args.tp} x pp "
+          f"{args.pp}, stage {args.stage} ({f['blocks']} blocks), micro-batch {args.micro_batch} x "
+          f"{result['shape']['seq_len']} tokens, checkpoint {args.checkpoint}")
+    sent = [k for k, degree in (("all-to-all bytes sent", args.ep), ("ring bytes sent", args.cp)) if degree > 1]
+    for key, formula in [*zip(STATES, STATES), ("activations after forward", "activations"), *zip(sent, sent)]:
+        print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   formula {f[formula] / 2**30:9.3f} GiB")
     for key in ("all-gather buffers", "reduce-scatter buffers", "unsharded params", "temporaries"):
         print(f"  {key:28s} {m[key] / 2**30:9.3f} GiB   (at the peak)")
     print(f"  {'peak, everything':28s} {m['peak'] / 2**30:9.3f} GiB")
-    return 0
 
 
 if __name__ == "__main__":

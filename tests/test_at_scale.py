@@ -14,7 +14,7 @@ STAGES = ["--model", "gpt3-175b", "--pp", "48"]
 
 
 def simulate(*argv):
-    return script.simulate(script.parse_args([*map(str, argv)]))
+    return script.simulate(*script.runs(script.parse_args([*map(str, argv)])))
 
 
 def test_the_private_apis_the_simulation_rests_on_are_where_it_expects():

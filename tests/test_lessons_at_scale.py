@@ -55,6 +55,25 @@ def test_the_fit_claim_needs_the_first_stage_to_fail_without_recomputation_and_e
     assert verdicts(capsys) == [True, False, False]
 
 
+def long_context(act_gap=1.0, ring=22.5, ring_formula=22.5, peak=18.0) -> dict:
+    """Stage 1 of Llama 3 405B at 131,072 tokens over CP 16 (made up, GiB)."""
+    r = result(stage=1, act=7.5, peak=peak, act_gap=act_gap)
+    r["measured"]["ring bytes sent"], r["formula"]["ring bytes sent"] = ring * GIB, ring_formula * GIB
+    return dict(r, dp=8, cp=16, shape=dict(scale.MODELS["llama3-405b"], seq_len=131072))
+
+
+def test_the_context_claims_need_the_short_ranks_bytes_the_formulas_ring_and_a_higher_peak(capsys):
+    short = dict(result(stage=1, act=7.5, peak=13.0), shape=scale.MODELS["llama3-405b"])
+    lesson.claim_context(long_context(), short)
+    assert verdicts(capsys) == [True, True, True, True]
+    lesson.claim_context(long_context(act_gap=1.01), short)  # CP left the rank more than its share of tokens
+    lesson.claim_context(long_context(ring=30.0), short)  # the ring sent more than chapter 12's blocks
+    lesson.claim_context(long_context(ring=0.0, ring_formula=0.0), short)  # no ring ran at all
+    lesson.claim_context(long_context(peak=12.0), short)
+    assert verdicts(capsys) == [False, True, True, True, True, False, True, True, True, False, True, True,
+                                True, True, True, False]
+
+
 def test_recomputation_must_resend_exactly_half_as_much_again(capsys):
     lesson.claim_recompute_resends(result(ep=64, sent=4.0), result(ep=64, sent=6.0))
     lesson.claim_recompute_resends(result(ep=64, sent=4.0), result(ep=64, sent=4.0))

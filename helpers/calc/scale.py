@@ -52,8 +52,8 @@ def layout_problem(shape: dict, world: int, tp: int, pp: int, stage: int, ep: in
         if value < 1:
             return f"{name} {value}: a degree is a whole number of ranks, 1 or more"
     if world % (tp * pp * cp):
-        return (f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide --world {world}: dp would not "
-                f"be whole")
+        degrees = f"--tp {tp} x --pp {pp}" + (f" x --cp {cp}" if cp > 1 else "")
+        return f"{degrees} = {tp * pp * cp} does not divide --world {world}: dp would not be whole"
     if shape["n_head"] % tp:
         return f"--tp {tp} does not divide the {shape['n_head']} heads; use one of {divisors(shape['n_head'])}"
     if shape["seq_len"] % tp:

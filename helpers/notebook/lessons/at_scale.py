@@ -16,7 +16,9 @@ Example (notebook cells)::
 from __future__ import annotations
 
 import json
+import os
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 from ... import launch
 from ...calc import scale, stages
@@ -34,6 +36,7 @@ LOCAL_FLOORS = 4           # LocalTensor ranks: a few fp32 noise floors from fp6
 LLAMA = dict(model="llama3-405b", world=16384, tp=8, pp=16)           # Llama 3 405B's layout: DP 128
 LLAMA_MICROBATCHES = 16    # 2,048 sequences a step over DP 128: 16 micro-batches of one sequence per pipeline
 DEEPSEEK = dict(model="deepseek-v3", world=2048, tp=1, pp=16, ep=64)  # DeepSeek-V3's: DP 128, EP 64 taken from it
+LLAMA_LONG = dict(LLAMA, cp=16, seq_len=131072)  # Llama 3 405B at 128K tokens: DP 8 x CP 16 (scale.PUBLISHED)
 
 
 LOCAL_CHOICES = (16, 32, 64)
@@ -45,41 +48,57 @@ def settings(profile: str, local_ranks: int) -> None:
         raise ValueError(f"LOCAL_RANKS = {local_ranks!r}: use one of {', '.join(map(str, LOCAL_CHOICES))} (TP 4 "
                          "divides each into whole DP groups of the tiny GPT)")
     print(f"profile={profile}: nothing is trained; every layout is one rank simulated in a process of its own "
-          f"(course/gpt_at_scale.py), and section 5 runs {local_ranks} LocalTensor ranks and 4 gloo ranks")
+          f"(course/gpt_at_scale.py), and section 6 runs {local_ranks} LocalTensor ranks and 4 gloo ranks")
 
 
 def simulate(model: str, world: int, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
-             checkpoint: str = "none", seq_len: int | None = None) -> dict:
+             checkpoint: str = "none", seq_len: int | None = None, cp: int = 1) -> dict:
     """One rank of the layout, simulated by course/gpt_at_scale.py in a process of its own: its JSON (``measured``
     and ``formula`` bytes, the layout). A layout that cannot be built is refused here, before anything starts."""
+    return simulate_each(model, world, tp, pp, (stage,), (checkpoint,), ep, seq_len, cp)[(stage, checkpoint)]
+
+
+def simulate_each(model: str, world: int, tp: int, pp: int, stages, checkpoints, ep: int = 1,
+                  seq_len: int | None = None, cp: int = 1) -> dict:
+    """{(stage, checkpoint): :func:`simulate`'s JSON} for every stage and recomputation given: a process per stage
+    (or per recomputation, for one stage), as many at once as there are CPU cores (each simulation is one thread of
+    Python), each running its share one after another."""
     shape = dict(scale.MODELS[model], **({"seq_len": seq_len} if seq_len else {}))
-    problem = scale.layout_problem(shape, world, tp, pp, stage, ep)
-    if problem:
-        raise ValueError(problem)
-    args = ["--model", model, "--world", world, "--tp", tp, "--pp", pp, "--stage", stage, "--ep", ep,
-            "--checkpoint", checkpoint, "--json", *(["--seq-len", seq_len] if seq_len else [])]
-    return _json_run(SCRIPT, args, f"14_{model}_{world}_stage{stage}")
+    for stage in stages:
+        problem = scale.layout_problem(shape, world, tp, pp, stage, ep, cp)
+        if problem:
+            raise ValueError(problem)
+    common = ["--model", model, "--world", world, "--tp", tp, "--pp", pp, "--ep", ep, "--json",
+              *(["--seq-len", seq_len] if seq_len else []), *(["--cp", cp] if cp > 1 else [])]
+    shares = ([((st,), tuple(checkpoints)) for st in stages] if len(stages) > 1
+              else [(tuple(stages), (c,)) for c in checkpoints])
+    jobs = [(SCRIPT, [*common, "--stage", *sts, "--checkpoint", *cks],
+             f"14_{model}_{world}_stage{'_'.join(map(str, sts))}_{'_'.join(cks)}") for sts, cks in shares]
+    return {(r["stage"], r["checkpoint"]): r for found in _json_runs(jobs) for r in found}
 
 
-def _json_run(script, args: list, name: str) -> dict:
-    """``python script args`` in a process of its own: the last JSON line it printed, or RuntimeError with its
+def _json_runs(jobs: list[tuple]) -> list[list[dict]]:
+    """:func:`_json_run` for every (script, args, name) in ``jobs``, as many at once as there are CPU cores; in the
+    order of ``jobs``."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda job: _json_run(*job), jobs))
+
+
+def _json_run(script, args: list, name: str) -> list[dict]:
+    """``python script args`` in a process of its own: the JSON lines it printed, in order, or RuntimeError with its
     output's end."""
     run = launch.python(script, args, timeout=600, name=name)
     found = [text for text in run.output.splitlines() if text.startswith("{")]
     if run.returncode or not found:
         raise RuntimeError(f"course/{script.name} {' '.join(map(str, args))} failed:\n{run.output[-3000:]}")
-    return json.loads(found[-1])
+    return [json.loads(text) for text in found]
 
 
 def first_and_last(model: str, dp: int, tp: int, pp: int, microbatches: int, ep: int = 1,
                    checkpoint: str = "none", seq_len: int | None = None) -> dict:
-    """{stage: (simulation, :func:`held`)} for the first and the last pipeline stage of a layout."""
-    out = {}
-    for stage in sorted({0, pp - 1}):
-        r = simulate(model, world=dp * tp * pp, tp=tp, pp=pp, stage=stage, ep=ep, checkpoint=checkpoint,
-                     seq_len=seq_len)
-        out[stage] = (r, held(r, microbatches))
-    return out
+    """{stage: (simulation, :func:`held`)} for the first and the last pipeline stage of a layout (one process)."""
+    sims = simulate_each(model, dp * tp * pp, tp, pp, sorted({0, pp - 1}), (checkpoint,), ep, seq_len)
+    return {stage: (r, held(r, microbatches)) for (stage, _checkpoint), r in sims.items()}
 
 
 def show_script() -> None:
@@ -102,17 +121,22 @@ SPEC = ((36, "<"), (10, ">"), (10, ">"), (9, ">"))
 
 
 def heading(r: dict) -> list[Cell]:
+    fields = dict(model=r["model"], world=r["world"], dp=r["dp"], tp=r["tp"], pp=r["pp"], stage=r["stage"],
+                  blocks=r["formula"]["blocks"], tokens=f"{r['shape']['seq_len']:,}", checkpoint=r["checkpoint"])
+    if r.get("cp", 1) > 1:  # a dense model only (the simulation refuses CP with experts)
+        return line(_("{model} on {world} ranks: dp {dp} x cp {cp} x tp {tp} x pp {pp}, stage {stage} ({blocks} "
+                      "blocks), {tokens} tokens, recomputation {checkpoint}", cp=r["cp"], **fields))
     ep = f" (ep {r['ep']})" if r["ep"] > 1 else ""
     return line(_("{model} on {world} ranks: dp {dp}{ep} x tp {tp} x pp {pp}, stage {stage} ({blocks} blocks), "
-                  "recomputation {checkpoint}", model=r["model"], world=r["world"], dp=r["dp"], ep=ep, tp=r["tp"],
-                  pp=r["pp"], stage=r["stage"], blocks=r["formula"]["blocks"], checkpoint=r["checkpoint"]))
+                  "{tokens} tokens, recomputation {checkpoint}", ep=ep, **fields))
 
 
 def show_rank(r: dict) -> None:
     """What the simulated rank holds beside the formula (GiB), and what else its step's peak holds."""
     m, f = r["measured"], r["formula"]
-    sent = "all-to-all bytes sent"
-    rows = [*ROWS, *(((sent, sent, _("all-to-all bytes sent in the step")),) if r["ep"] > 1 else ())]
+    sent, ring = "all-to-all bytes sent", "ring bytes sent"
+    rows = [*ROWS, *(((sent, sent, _("all-to-all bytes sent in the step")),) if r["ep"] > 1 else ()),
+            *(((ring, ring, _("ring bytes sent in the step")),) if r.get("cp", 1) > 1 else ())]
     out = [heading(r), columns(SPEC, _("GiB per rank"), _("measured"), _("formula"), _("ratio"))]
     for key, formula, name in rows:
         out.append(columns(SPEC, name, _gib(m[key]), _gib(f[formula]), f"{m[key] / f[formula]:.4f}"))
@@ -187,7 +211,33 @@ def claim_fit(sims: dict, microbatches: int = LLAMA_MICROBATCHES) -> None:
           measured=", ".join(f"stage {s} {c}: {v / GIB:.1f} GiB" for (s, c), v in sorted(total.items())))
 
 
-# --------------------------------------------------------------------------------- 3. DeepSeek-V3's experts
+# --------------------------------------------------------------------------- 3. 131,072 tokens over CP 16
+
+def claim_context(long: dict, short: dict) -> None:
+    """``long``: a stage of Llama 3 405B at 131,072 tokens over CP 16 (DP 8); ``short``: the same stage at 8,192
+    tokens without CP (DP 128). CP gives the long rank the short one's bytes; the ring sends chapter 12's; without
+    CP one long micro-batch alone would not fit (the formula: nothing that large is simulated)."""
+    ml, ms = long["measured"], short["measured"]
+    keys = ("params", "grads", "optimizer", "activations after forward")
+    gap = max(abs(ml[k] / ms[k] - 1) for k in keys)
+    claim(f"at {long['shape']['seq_len']:,} tokens over CP {long['cp']} a rank holds the model states and one "
+          f"micro-batch's activations it holds at {short['shape']['seq_len']:,} tokens without CP: dp x cp shards "
+          f"the weights over as many ranks, and CP leaves it as many tokens", gap <= STATE_TOLERANCE,
+          measured=f"activations {ml[keys[-1]] / GIB:.3f} vs {ms[keys[-1]] / GIB:.3f} GiB, worst gap {gap:.1e}")
+    sent, formula = ml["ring bytes sent"], long["formula"]["ring bytes sent"]
+    claim("the ring sends chapter 12's bytes: each layer's K and V blocks cp - 1 hops in forward, K, V and their "
+          "gradients cp - 1 hops in backward", sent > 0 and abs(sent / formula - 1) <= 1e-9,
+          measured=f"{sent / GIB:.3f} GiB, formula {formula / GIB:.3f} GiB")
+    shape, lay = long["shape"], {k: long[k] for k in ("tp", "pp", "stage")}
+    without = scale.expected(shape, world=long["world"], **lay)["activations"]
+    claim(f"without CP one micro-batch of {shape['seq_len']:,} tokens alone would hold more than the GPU's 80 GB "
+          "in activations on this stage (the formula)", without > GPU_BYTES, measured=f"{without / GIB:.1f} GiB")
+    claim("the step's peak is higher with the ring: each block's scores are computed whole, s / cp by s / cp a "
+          "head, where a flash kernel would tile them", ml["peak"] > ms["peak"],
+          measured=f"{ml['peak'] / GIB:.1f} vs {ms['peak'] / GIB:.1f} GiB")
+
+
+# --------------------------------------------------------------------------------- 4. DeepSeek-V3's experts
 
 def claim_recompute_resends(none: dict, full: dict) -> None:
     """Recomputing a MoE block's forward sends its dispatch and combine again: 6 all-to-alls instead of 4."""
@@ -197,7 +247,7 @@ def claim_recompute_resends(none: dict, full: dict) -> None:
           measured=f"{a / GIB:.3f} -> {b / GIB:.3f} GiB")
 
 
-# ------------------------------------------------------------------------- 4. the planner and the published
+# ------------------------------------------------------------------------- 5. the planner and the published
 
 PUB = ((27, "<"), (24, "<"), (10, ">"), (26, "<"), (11, "<"), (9, "<"))
 
@@ -244,11 +294,17 @@ def claim_published(found: list[tuple[dict, dict]]) -> None:
           measured=", ".join(f"{p['rank']}/{len(p['fits'])}" for _, p in found))
 
 
-# -------------------------------------------------------------------- 5. real numbers, many ranks, one process
+# -------------------------------------------------------------------- 6. real numbers, many ranks, one process
 
 def local_ranks(world: int = 16, tp: int = 4) -> dict:
     """course/gpt_local.py's step on ``world`` ranks simulated by LocalTensor in one process (its JSON line)."""
-    return _json_run(LOCAL_SCRIPT, ["--simulate", world, "--tp", tp], f"14_local_{world}")
+    return local_ranks_each([(world, tp)])[0]
+
+
+def local_ranks_each(layouts: list[tuple[int, int]]) -> list[dict]:
+    """:func:`local_ranks` for every (world, tp) in ``layouts``, a process each, as many at once as there are cores."""
+    jobs = [(LOCAL_SCRIPT, ["--simulate", world, "--tp", tp], f"14_local_{world}_tp{tp}") for world, tp in layouts]
+    return [found[-1] for found in _json_runs(jobs)]
 
 
 LOC = ((10, "<"), (8, ">"), (6, ">"), (6, ">"), (12, ">"), (12, ">"))
@@ -276,11 +332,12 @@ def claim_local(simulated: list[dict], real: dict) -> None:
                              for r in [*simulated, real]))
 
 
-# ----------------------------------------------------------------------------------------- 7. refusals
+# ----------------------------------------------------------------------------------------- 8. refusals
 
 BAD = (dict(model="llama3-70b", world=96, tp=3), dict(model="llama3-405b", world=5120, tp=8, pp=5),
        dict(model="llama3-405b", world=1000, tp=8, pp=16), dict(model="llama3-70b", world=64, tp=8, ep=8),
-       dict(model="deepseek-v3", world=2048, tp=1, pp=16, ep=48))
+       dict(model="deepseek-v3", world=2048, tp=1, pp=16, ep=48),
+       dict(model="llama3-405b", world=16384, tp=8, pp=16, cp=16, seq_len=100000))
 
 
 def claim_refusals() -> None:

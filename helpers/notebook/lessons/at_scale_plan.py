@@ -1,4 +1,4 @@
-"""Notebook 14, section 6: the learner's own layout. The planner of notebook 10 (:func:`helpers.calc.plan.propose`)
+"""Notebook 14, section 7: the learner's own layout. The planner of notebook 10 (:func:`helpers.calc.plan.propose`)
 proposes layouts for a model, a number of GPUs, their memory, a sequence length and a batch; the simulation
 (course/gpt_at_scale.py, :func:`.at_scale.simulate`) builds the first proposal's first and last stage and confirms or
 refutes the memory the planner counted for them.
@@ -29,7 +29,8 @@ GPUS_PER_NODE = 8
 
 
 def proposals(model: str, gpus: int, gpu_gb: float, seq_len: int, global_batch: int) -> list[dict]:
-    """The planner's layouts that fit, fastest first: 1F1B and no context parallelism (what the simulation builds)."""
+    """The planner's layouts that fit, fastest first: 1F1B and no context parallelism (section 3 simulates CP; the
+    planner's CP term, chapter 12's, would have it split sequences of 8,192 tokens where published layouts use TP)."""
     shape = dict(scale.MODELS[model], seq_len=seq_len)
     return plan.propose(shape, gpu_bytes=gpu_gb * 1e9, n_gpus=gpus, gpus_per_node=min(GPUS_PER_NODE, gpus),
                         global_batch=global_batch)
