@@ -54,7 +54,7 @@ def read_layout(answer, gpus: int) -> dict | str:
 
 
 def _measure(model: str, lay: dict, microbatches: int) -> dict:
-    """The first and last stage simulated: {stage: held(...)} (one process)."""
+    """The first and last stage simulated: {stage: held(...)} (a process a stage, both at once)."""
     from ..lessons.at_scale import first_and_last
 
     ends = first_and_last(model, lay["dp"], lay["tp"], lay["pp"], microbatches)

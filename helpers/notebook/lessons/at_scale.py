@@ -96,7 +96,8 @@ def _json_run(script, args: list, name: str) -> list[dict]:
 
 def first_and_last(model: str, dp: int, tp: int, pp: int, microbatches: int, ep: int = 1,
                    checkpoint: str = "none", seq_len: int | None = None) -> dict:
-    """{stage: (simulation, :func:`held`)} for the first and the last pipeline stage of a layout (one process)."""
+    """{stage: (simulation, :func:`held`)} for the first and the last pipeline stage of a layout (a process each, at
+    once: :func:`simulate_each`)."""
     sims = simulate_each(model, dp * tp * pp, tp, pp, sorted({0, pp - 1}), (checkpoint,), ep, seq_len)
     return {stage: (r, held(r, microbatches)) for (stage, _checkpoint), r in sims.items()}
 
